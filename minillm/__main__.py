@@ -1,0 +1,55 @@
+"""Command line: `python -m minillm generate "prompt"` streams the model's reply to the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .llm import LLM
+from .sampling import SamplingParams
+
+
+def generate(args: argparse.Namespace) -> None:
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    prompt = args.prompt if args.raw else llm.apply_chat_template([{"role": "user", "content": args.prompt}])
+    printed, out = 0, None
+    for out in llm.stream(prompt, params):
+        text = out.outputs[0].text
+        if not out.finished and text.endswith("\ufffd"):
+            continue  # half of a multi-byte character: wait for the rest
+        sys.stdout.write(text[printed:])
+        sys.stdout.flush()
+        printed = len(text)
+    m = out.metrics
+    n = m.output_tokens
+    decode = (m.finished_time - m.first_token_time) / max(n - 1, 1)
+    print(f"\n[{n} tokens, finish={out.outputs[0].finish_reason}, TTFT {1000 * (m.first_token_time - m.arrival_time):.0f} ms, "
+          f"{1 / decode if n > 1 else 0:.1f} tokens/s decode]", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m minillm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="stream a reply to one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default=None, help="local Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--raw", action="store_true", help="use the prompt as plain text, without the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--device", default=None)
+    gen.add_argument("--dtype", default=None)
+    args = parser.parse_args(argv)
+    try:
+        {"generate": generate}[args.command](args)
+    except ValueError as e:
+        parser.exit(2, f"error: {e}\n")
+
+
+if __name__ == "__main__":
+    main()

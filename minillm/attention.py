@@ -1,0 +1,82 @@
+"""Attention over the paged KV cache, with prefill and decode as separate code paths.
+
+Prefill attends from many new tokens of each sequence (packed one after another) to that sequence's
+cached and new keys; decode attends from one new token per sequence. Both read the cache through each
+sequence's block table, so the same code serves one request or a continuously batched many.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens sit: built once per step by the model runner, read by every layer."""
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # [num_new_tokens] cache slot (block * block_size + offset) of each new token
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] physical blocks of each sequence (padded with 0)
+    context_lens: torch.Tensor  # [num_seqs] tokens in the cache for each sequence after this step
+    query_lens: list[int]       # new tokens of each sequence (1 each in decode)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write the new tokens' keys and values `[tokens, kv_heads, head_dim]` into their cache slots."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached vectors of one sequence, `[length, kv_heads, head_dim]`."""
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention for packed new tokens `[tokens, heads, head_dim]`, each sequence on its own.
+
+    A sequence whose earlier tokens are already cached attends to them too: the causal mask is aligned
+    to the bottom right, so new token i sees every cached token and new tokens 0..i.
+    """
+    out = torch.empty_like(q)
+    start = 0
+    for i, qlen in enumerate(meta.query_lens):
+        ctx = int(meta.context_lens[i])
+        qi = q[start:start + qlen].transpose(0, 1)
+        if ctx == qlen:  # nothing cached before: the fresh k, v are the whole context
+            ki, vi = k[start:start + qlen], v[start:start + qlen]
+            mask, causal = None, True
+        else:
+            ki = gather_kv(k_cache, meta.block_tables[i], ctx)
+            vi = gather_kv(v_cache, meta.block_tables[i], ctx)
+            rows = torch.arange(qlen, device=q.device)[:, None] + (ctx - qlen)
+            mask, causal = torch.arange(ctx, device=q.device)[None, :] <= rows, False
+        o = F.scaled_dot_product_attention(qi, ki.transpose(0, 1), vi.transpose(0, 1), attn_mask=mask,
+                                           is_causal=causal, scale=scale, enable_gqa=True)
+        out[start:start + qlen] = o.transpose(0, 1)
+        start += qlen
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One new token per sequence, `q: [num_seqs, heads, head_dim]`, attending to its whole cached context."""
+    if q.shape[0] == 1:  # a lone sequence needs no padding mask
+        ctx = int(meta.context_lens[0])
+        k = gather_kv(k_cache, meta.block_tables[0], ctx).transpose(0, 1)[None]
+        v = gather_kv(v_cache, meta.block_tables[0], ctx).transpose(0, 1)[None]
+        mask = None
+    else:
+        k = k_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)  # [seqs, kv_heads, padded_len, dim]
+        v = v_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
+        positions = torch.arange(k.shape[2], device=q.device)
+        mask = (positions[None, :] < meta.context_lens[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[:, :, 0, :]

@@ -1,0 +1,82 @@
+"""The offline API: `LLM(...).generate(prompts, SamplingParams(...))`, shaped like vLLM's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from .engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling import SamplingParams
+
+
+class LLM:
+    """Load a model once, then generate for many prompts; every request runs through `LLMEngine.step`."""
+
+    def __init__(self, model=None, device=None, dtype=None, load_format: str = "auto", block_size: int = 16,
+                 num_kv_blocks: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 enable_prefix_caching: bool = True):
+        self.engine = LLMEngine(model, device, dtype, load_format, block_size, num_kv_blocks, max_num_seqs,
+                                max_num_batched_tokens, enable_prefix_caching)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def _add_all(self, prompts, sampling_params) -> list[str]:
+        """Validate every prompt and parameter set first, so a bad one leaves nothing queued."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+            try:
+                self.engine.validate(self.engine.tokenize(prompt)[1])
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        return [self.engine.add_request(None, prompt, p) for prompt, p in zip(prompts, params)]
+
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run all prompts to completion (together, as the scheduler sees fit); outputs in prompt order."""
+        ids = self._add_all(prompts, sampling_params)
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[i] for i in ids]
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's state after every new token, for printing text as it is produced."""
+        (request_id,) = self._add_all([prompt], sampling_params)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        yield out
+        finally:
+            self.engine.abort(request_id)
+
+    def apply_chat_template(self, messages) -> list[int]:
+        """Token ids of a conversation (list of {"role", "content"} dicts) ready for the assistant's reply."""
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= m.keys()
+                                                      for m in messages):
+            raise ValueError('messages must be a list of {"role": ..., "content": ...} dicts')
+        ids = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation, or to each of a list of conversations."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params, use_tqdm)

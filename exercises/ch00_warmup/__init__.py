@@ -1,0 +1,1 @@
+"""Exercise 0: RMSNorm and rotary position embeddings (RoPE)."""

@@ -22,7 +22,7 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 tests
 	$(BIN)/python -m exercises.selfcheck
-	$(BIN)/python -m pytest -q --nbval --sanitize-with .ci/nbval_sanitize.cfg -p no:cacheprovider chapters
+	$(BIN)/python -m pytest -q --nbval --nbval-sanitize-with .ci/nbval_sanitize.cfg -p no:cacheprovider chapters
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 -m "not slow" tests
@@ -42,6 +42,7 @@ MATHJAX_DIR     := book/_vendor/html/_static/mathjax
 MATHJAX         := book/_vendor/mathjax-$(MATHJAX_VERSION).installed
 
 $(MATHJAX):
+	@command -v npm >/dev/null || { echo "make book needs npm to fetch MathJax (Debian: apt-get install npm)"; exit 1; }
 	rm -rf book/_vendor/npm $(MATHJAX_DIR) book/_vendor/mathjax-*.installed
 	mkdir -p book/_vendor/npm $(dir $(MATHJAX_DIR))
 	npm pack --silent --pack-destination book/_vendor/npm mathjax@$(MATHJAX_VERSION) >/dev/null
@@ -55,7 +56,7 @@ mathjax: $(MATHJAX)
 # Every notebook is executed afresh (execute_notebooks: force, and --all re-reads every page),
 # so the book never shows outputs computed with an older minillm/. Zero warnings allowed.
 book: $(STAMP) $(MATHJAX)
-	rm -rf _build/html
+	rm -rf _build/html _build/jupyter_execute
 	$(BIN)/jupyter-book build --all -W -n --keep-going .
 
 clean:

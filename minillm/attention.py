@@ -15,13 +15,33 @@ import torch.nn.functional as F
 
 @dataclass
 class AttentionMetadata:
-    """Where this step's tokens sit: built once per step by the model runner, read by every layer."""
+    """Where this step's tokens sit: built once per step by the model runner, read by every layer.
 
-    is_prefill: bool
+    Tokens are packed with the prefill sequences (several new tokens each) first and the decode
+    sequences (one new token each) after them; the first `num_prefill_tokens` tokens are the prefill part.
+    """
+
     slot_mapping: torch.Tensor  # [num_new_tokens] cache slot (block * block_size + offset) of each new token
     block_tables: torch.Tensor  # [num_seqs, max_blocks] physical blocks of each sequence (padded with 0)
     context_lens: torch.Tensor  # [num_seqs] tokens in the cache for each sequence after this step
-    query_lens: list[int]       # new tokens of each sequence (1 each in decode)
+    query_lens: list[int]       # new tokens of each sequence
+    num_prefills: int           # the first num_prefills sequences are prefills, the rest decodes
+
+    def __post_init__(self) -> None:
+        p = self.num_prefills
+        self.num_prefill_tokens = sum(self.query_lens[:p])
+        self.prefill = _Part(self.block_tables[:p], self.context_lens[:p], self.query_lens[:p]) if p else None
+        rest = len(self.query_lens) - p
+        self.decode = _Part(self.block_tables[p:], self.context_lens[p:], self.query_lens[p:]) if rest else None
+
+
+@dataclass
+class _Part:
+    """The prefill or the decode sequences of a step."""
+
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_lens: list[int]
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -39,7 +59,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                      v_cache: torch.Tensor, meta: _Part, scale: float) -> torch.Tensor:
     """Causal attention for packed new tokens `[tokens, heads, head_dim]`, each sequence on its own.
 
     A sequence whose earlier tokens are already cached attends to them too: the causal mask is aligned
@@ -47,8 +67,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     """
     out = torch.empty_like(q)
     start = 0
-    for i, qlen in enumerate(meta.query_lens):
-        ctx = int(meta.context_lens[i])
+    for i, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens.tolist())):
         qi = q[start:start + qlen].transpose(0, 1)
         if ctx == qlen:  # nothing cached before: the fresh k, v are the whole context
             ki, vi = k[start:start + qlen], v[start:start + qlen]
@@ -66,7 +85,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                     meta: _Part, scale: float) -> torch.Tensor:
     """One new token per sequence, `q: [num_seqs, heads, head_dim]`, attending to its whole cached context."""
     if q.shape[0] == 1:  # a lone sequence needs no padding mask
         ctx = int(meta.context_lens[0])
@@ -80,3 +99,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mask = (positions[None, :] < meta.context_lens[:, None])[:, None, None, :]
     o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o[:, :, 0, :]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Store this step's K/V, then attend: the prefill part and the decode part each through its own path."""
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    p = meta.num_prefill_tokens
+    parts = []
+    if meta.prefill is not None:
+        parts.append(prefill_attention(q[:p], k[:p], v[:p], k_cache, v_cache, meta.prefill, scale))
+    if meta.decode is not None:
+        parts.append(decode_attention(q[p:], k_cache, v_cache, meta.decode, scale))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

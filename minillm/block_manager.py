@@ -1,43 +1,147 @@
-"""Hands out fixed-size KV-cache blocks to sequences and takes them back."""
+"""Hands out fixed-size KV-cache blocks to sequences, shares full blocks between equal prefixes, takes them back.
+
+Each physical block has a reference count. A block whose tokens are all computed gets a chained hash
+(hash of the previous block's hash and its own tokens), so a later request whose prompt starts with the
+same tokens reuses it instead of recomputing (prefix caching). A freed block keeps its hash and contents
+until the free list hands it out again, so a finished request's prefix stays reusable for a while.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from dataclasses import dataclass
 
 from .sequence import Sequence
 
 
-class BlockManager:
-    """A free list of physical block ids; each sequence holds a block table covering its tokens."""
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
 
-    def __init__(self, num_blocks: int, block_size: int):
+
+def block_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chained hash: equal hashes mean equal tokens in this block and in every block before it."""
+    return hash((prev_hash, token_ids))
+
+
+class BlockManager:
+    """Free list, per-sequence block tables, reference counts and the prefix-cache index."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # least recently freed first
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.hit_tokens = self.query_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free_ids)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        """Whether the sequence's current tokens (all of them) fit in the free blocks."""
-        return self.blocks_needed(seq.num_tokens) - len(seq.block_table) <= self.num_free_blocks
+    def _take_free(self) -> int:
+        block_id, _ = self.free_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None and self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]  # its old contents are about to be overwritten
+        block.hash, block.token_ids, block.ref_count = None, (), 1
+        return block_id
 
-    def allocate(self, seq: Sequence) -> None:
-        """Grow the sequence's block table to cover all its tokens."""
-        need = self.blocks_needed(seq.num_tokens) - len(seq.block_table)
-        if need > self.num_free_blocks:
-            raise RuntimeError(f"need {need} KV blocks, {self.num_free_blocks} free")
-        seq.block_table.extend(self.free_blocks.popleft() for _ in range(need))
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """Ids of cached blocks holding the sequence's leading full blocks, in order."""
+        hits, prev = [], None
+        if not self.enable_prefix_caching:
+            return hits
+        tokens = seq.token_ids
+        for i in range(len(tokens) // self.block_size):
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            prev = block_hash(prev, chunk)
+            block_id = self.cached.get(prev)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            hits.append(block_id)
+        return hits
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether one more token fits: either room in the last block or one free block."""
-        return seq.num_tokens <= len(seq.block_table) * self.block_size or self.num_free_blocks > 0
+    def allocate(self, seq: Sequence) -> bool:
+        """Give a new (or preempted) sequence blocks for all its tokens, reusing cached prefix blocks.
+
+        Returns False, changing nothing, when the free blocks do not suffice.
+        """
+        assert not seq.block_table
+        hits = self._prefix_hits(seq)
+        fresh = self.blocks_needed(seq.num_tokens) - len(hits)
+        reclaimed = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # cached but on the free list
+        # a full hit recomputes the last token inside the last hit block: a copy if someone else holds it
+        copy = int(bool(hits) and len(hits) * self.block_size >= seq.num_tokens and self.blocks[hits[-1]].ref_count > 0)
+        if fresh + reclaimed + copy > self.num_free_blocks:
+            return False
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_ids[block_id]
+            block.ref_count += 1
+        seq.block_table = hits + [self._take_free() for _ in range(fresh)]
+        seq.block_hashes = [self.blocks[b].hash for b in hits]
+        # at least the last token must run through the model to produce the next token's logits
+        seq.num_cached_tokens = min(len(hits) * self.block_size, seq.num_tokens - 1)
+        self.hit_tokens += seq.num_cached_tokens
+        self.query_tokens += seq.num_tokens
+        return True
+
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether the sequence's table can cover `num_tokens` tokens (and a copy-on-write) from free blocks."""
+        need = self.blocks_needed(num_tokens) - len(seq.block_table) + (1 if self._needs_copy(seq) else 0)
+        return need <= self.num_free_blocks
+
+    def _needs_copy(self, seq: Sequence) -> bool:
+        """Whether the next token to compute lands in a block another sequence also holds."""
+        i = seq.num_cached_tokens // self.block_size
+        return i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1
+
+    def grow(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]]:
+        """Cover `num_tokens` tokens; copy-on-write a shared block about to be written.
+
+        Returns the (source, destination) block copies the KV cache must make before the step runs.
+        """
+        copies = []
+        if self._needs_copy(seq):
+            i = seq.num_cached_tokens // self.block_size
+            src = seq.block_table[i]
+            dst = self._take_free()
+            self.blocks[src].ref_count -= 1
+            seq.block_table[i] = dst
+            del seq.block_hashes[i:]
+            copies.append((src, dst))
+        while len(seq.block_table) < self.blocks_needed(num_tokens):
+            seq.block_table.append(self._take_free())
+        return copies
+
+    def commit(self, seq: Sequence) -> None:
+        """Hash and index every block whose tokens are now all computed, so later requests can share it."""
+        if not self.enable_prefix_caching:
+            return
+        tokens = seq.token_ids
+        for i in range(len(seq.block_hashes), seq.num_cached_tokens // self.block_size):
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            h = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, chunk)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                block.hash, block.token_ids = h, chunk
+                self.cached.setdefault(h, block.block_id)
 
     def free(self, seq: Sequence) -> None:
-        """Return all of the sequence's blocks to the free list."""
-        self.free_blocks.extend(seq.block_table)
-        seq.block_table = []
+        """Drop the sequence's references; blocks nobody holds go back to the free list, contents kept."""
+        for block_id in reversed(seq.block_table):  # tail blocks first: they are the least likely to be shared
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_ids[block_id] = None
+        seq.block_table, seq.block_hashes = [], []
         seq.num_cached_tokens = 0

@@ -53,14 +53,13 @@ class LLMEngine:
         if num_kv_blocks is None:
             num_kv_blocks = blocks_for_budget(self.config, block_size, self.dtype, self._kv_budget())
         self.kv_cache = KVCache.allocate(self.config, num_kv_blocks, block_size, self.dtype, self.device)
-        self.block_manager = BlockManager(num_kv_blocks, block_size)
+        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.max_model_len = min(self.config.max_position_embeddings, num_kv_blocks * block_size)
         self.eos_token_ids = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.enable_prefix_caching = enable_prefix_caching
         self._sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
 
@@ -118,9 +117,8 @@ class LLMEngine:
         text, token_ids = self.tokenize(prompt)
         self.validate(token_ids)
         seq = Sequence("logits", text, token_ids, SamplingParams(), RequestMetrics(time.perf_counter()))
-        if not self.block_manager.can_allocate(seq):
+        if not self.block_manager.allocate(seq):
             raise ValueError("the KV cache is busy: no free blocks for this prompt right now")
-        self.block_manager.allocate(seq)
         try:
             ids, positions, meta = self.runner.prepare_prefill([seq])
             return self.model.prefill(ids, positions, self.kv_cache, meta)[0].float()
@@ -132,14 +130,18 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward pass; return the state of every request that got a new token."""
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
+        scheduled = self.scheduler.schedule()
+        if not scheduled.seqs:
             return []
-        tokens = self.runner.run(seqs, is_prefill)
+        results = self.runner.run(scheduled)
         now = time.perf_counter()
         outputs = []
-        for seq, token in zip(seqs, tokens):
-            seq.num_cached_tokens = seq.num_tokens
+        for seq, n in zip(scheduled.seqs, scheduled.num_new_tokens):
+            seq.num_cached_tokens += n
+            self.block_manager.commit(seq)
+        for seq, token in results:
+            if token is None:
+                continue  # a prompt chunk: no token yet
             seq.output_token_ids.append(token)
             seq.metrics.record_token(now)
             reason = self._finish_reason(seq, token)
@@ -180,6 +182,8 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "num_running": len(self.scheduler.running),
             "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_hit_tokens": self.block_manager.hit_tokens,
+            "prefix_cache_query_tokens": self.block_manager.query_tokens,
             "max_model_len": self.max_model_len,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),

@@ -1,7 +1,8 @@
 """A Llama-family decoder in plain PyTorch: embeddings, N blocks (attention + SwiGLU MLP), norm, head.
 
 `prefill` runs many new tokens (whole prompts, packed) and returns logits at each sequence's last
-token; `decode` runs one new token per sequence. Both write their keys and values into the paged cache.
+token; `decode` runs one new token per sequence; a continuously batched step mixes both in one call.
+All write their keys and values into the paged cache.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, decode_attention, prefill_attention, store_kv
+from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
 from .layers import RMSNorm, RotaryEmbedding, make_linear, silu_and_mul
 
@@ -34,12 +35,7 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        k_cache, v_cache = kv_cache
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.is_prefill:
-            o = prefill_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        else:
-            o = decode_attention(q, k_cache, v_cache, meta, self.scale)
+        o = paged_attention(q, k, v, *kv_cache, meta, self.scale)
         return self.o_proj(o.flatten(1))
 
 
@@ -98,20 +94,27 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden) if self.lm_head is not None else F.linear(hidden, self.embed_tokens.weight)
 
     @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """One step over packed tokens (prefill chunks and decode tokens mixed); logits at `logits_indices`.
+
+        By default the logits are taken at each sequence's last new token, `[seqs, vocab]`.
+        """
+        hidden = self.hidden_states(input_ids, positions, kv_cache, meta)
+        if logits_indices is None:
+            logits_indices = torch.tensor(meta.query_lens, device=hidden.device).cumsum(0) - 1
+        return self.logits(hidden[logits_indices])
+
     def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """Process prompts (many tokens per sequence); logits at each sequence's last new token, `[seqs, vocab]`."""
-        assert meta.is_prefill
-        hidden = self.hidden_states(input_ids, positions, kv_cache, meta)
-        last = torch.tensor(meta.query_lens, device=hidden.device).cumsum(0) - 1
-        return self.logits(hidden[last])
+        """Process prompts (many tokens per sequence); logits at each sequence's last token, `[seqs, vocab]`."""
+        return self(input_ids, positions, kv_cache, meta)
 
-    @torch.inference_mode()
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache,
                meta: AttentionMetadata) -> torch.Tensor:
         """One step: one new token per sequence in, next-token logits `[seqs, vocab]` out."""
-        assert not meta.is_prefill
-        return self.logits(self.hidden_states(input_ids, positions, kv_cache, meta))
+        assert all(n == 1 for n in meta.query_lens), "decode() takes one new token per sequence"
+        return self(input_ids, positions, kv_cache, meta)
 
 
 def load_model(path, config: ModelConfig, dtype: torch.dtype, device: torch.device,

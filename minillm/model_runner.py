@@ -1,4 +1,4 @@
-"""Turns a scheduled batch of sequences into tensors, runs the model's prefill or decode, and samples."""
+"""Turns a scheduled step into tensors, runs one forward pass over it, and samples the next tokens."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from .attention import AttentionMetadata
 from .kv_cache import KVCache
 from .model import CausalLM
 from .sampling import sample
+from .scheduler import SchedulerOutput
 from .sequence import Sequence
 
 
@@ -18,43 +19,59 @@ class ModelRunner:
         self.model, self.kv_cache, self.device = model, kv_cache, device
         self.block_size = kv_cache.block_size
 
-    def _slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+    def _tensor(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]):
+        """Pack the next `n` uncomputed tokens of each sequence; sequences with several tokens (prefill) first.
 
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        Returns (input_ids, positions, metadata, the sequences in packed order).
+        """
+        order = sorted(range(len(seqs)), key=lambda i: num_new_tokens[i] == 1)
+        seqs, num_new_tokens = [seqs[i] for i in order], [num_new_tokens[i] for i in order]
+        ids, positions, slots = [], [], []
+        for seq, n in zip(seqs, num_new_tokens):
+            start = seq.num_cached_tokens
+            ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
+                         for p in range(start, start + n))
         width = max(len(s.block_table) for s in seqs)
-        return self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs])
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            block_tables=self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
+            context_lens=self._tensor([s.num_cached_tokens + n for s, n in zip(seqs, num_new_tokens)]),
+            query_lens=num_new_tokens,
+            num_prefills=sum(n > 1 for n in num_new_tokens),
+        )
+        return self._tensor(ids), self._tensor(positions), meta, seqs
 
-    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Pack every sequence's not-yet-cached tokens one after another."""
-        ids, positions, slots, query_lens = [], [], [], []
-        for seq in seqs:
-            start, end = seq.num_cached_tokens, seq.num_tokens
-            ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(self._slot(seq, p) for p in range(start, end))
-            query_lens.append(end - start)
-        meta = AttentionMetadata(True, self._tensor(slots), self._block_tables(seqs),
-                                 self._tensor([s.num_tokens for s in seqs]), query_lens)
-        return self._tensor(ids), self._tensor(positions), meta
+    def prepare_prefill(self, seqs: list[Sequence]):
+        """Every uncomputed token of each sequence (whole prompts)."""
+        return self.prepare(seqs, [s.num_uncomputed_tokens for s in seqs])[:3]
 
-    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare_decode(self, seqs: list[Sequence]):
         """Each sequence's last token, whose K/V is not cached yet."""
-        positions = [s.num_tokens - 1 for s in seqs]
-        meta = AttentionMetadata(False, self._tensor([self._slot(s, p) for s, p in zip(seqs, positions)]),
-                                 self._block_tables(seqs), self._tensor([s.num_tokens for s in seqs]),
-                                 [1] * len(seqs))
-        return self._tensor([s.token_ids[-1] for s in seqs]), self._tensor(positions), meta
+        return self.prepare(seqs, [1] * len(seqs))[:3]
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        """One forward pass over the batch, then one sampled token per sequence."""
-        if is_prefill:
-            ids, positions, meta = self.prepare_prefill(seqs)
-            logits = self.model.prefill(ids, positions, self.kv_cache, meta)
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate shared blocks (all layers) before a sequence writes into its own copy."""
+        for src, dst in copies:
+            self.kv_cache.k[:, dst].copy_(self.kv_cache.k[:, src])
+            self.kv_cache.v[:, dst].copy_(self.kv_cache.v[:, src])
+
+    def run(self, step: SchedulerOutput) -> list[tuple[Sequence, int | None]]:
+        """One forward pass; a next token for every sequence whose whole context is now computed, else None."""
+        self.copy_blocks(step.block_copies)
+        ids, positions, meta, seqs = self.prepare(step.seqs, step.num_new_tokens)
+        done = [s.num_cached_tokens + n == s.num_tokens for s, n in zip(seqs, meta.query_lens)]
+        last = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
+        sampled = [s for s, d in zip(seqs, done) if d]
+        tokens = []
+        if sampled:  # chunks in the middle of a prompt need no logits
+            logits = self.model(ids, positions, self.kv_cache, meta, last[torch.tensor(done, device=self.device)])
+            tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
         else:
-            ids, positions, meta = self.prepare_decode(seqs)
-            logits = self.model.decode(ids, positions, self.kv_cache, meta)
-        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            self.model(ids, positions, self.kv_cache, meta, last[:0])
+        it = iter(tokens)
+        return [(s, next(it) if d else None) for s, d in zip(seqs, done)]

@@ -1,15 +1,35 @@
-"""Decides, each step, which sequences run: new prompts (prefill) first, otherwise one token for every running one."""
+"""Decides, each step, which tokens of which sequences run: continuous batching with chunked prefill.
+
+Every step spends a budget of `max_num_batched_tokens`. Running sequences go first (one token each when
+decoding, the next chunk of their prompt otherwise); whatever budget is left admits waiting requests,
+oldest first. A finished sequence leaves at once and frees its blocks; when blocks run out, the newest
+running sequence is preempted (its blocks freed, to be recomputed later).
+"""
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
 
 
+@dataclass
+class SchedulerOutput:
+    """One step's work: each scheduled sequence with its number of new tokens, and KV block copies to make first."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(n)
+
+
 class Scheduler:
-    """Waiting and running queues over a shared block pool; a finished sequence leaves and frees its blocks at once."""
+    """Waiting and running queues over a shared block pool."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.block_manager = block_manager
@@ -24,29 +44,34 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """The sequences to run this step and whether it is a prefill step."""
-        batch, num_tokens = [], 0
-        while self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
-            seq = self.waiting[0]
-            new_tokens = seq.num_tokens - seq.num_cached_tokens
-            if batch and num_tokens + new_tokens > self.max_num_batched_tokens:
-                break  # a prompt longer than the budget still runs, alone
-            if not self.block_manager.can_allocate(seq):
-                break
-            self.block_manager.allocate(seq)
-            seq.status = SequenceStatus.RUNNING
-            batch.append(self.waiting.popleft())
-            num_tokens += new_tokens
-        if batch:
-            self.running.extend(batch)
-            return batch, True
+    def schedule(self) -> SchedulerOutput:
+        """Fill this step's token budget: running sequences first, then new ones."""
+        out, budget = SchedulerOutput(), self.max_num_batched_tokens
+        bm = self.block_manager
         for seq in list(self.running):  # oldest first, so the newest are the ones preempted
-            while seq in self.running and not self.block_manager.can_allocate(seq):
+            if budget == 0:
+                break
+            if seq not in self.running:
+                continue  # preempted below to make room for an older one
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not bm.can_grow(seq, seq.num_cached_tokens + n) and seq in self.running:
                 self._preempt(self.running[-1])
             if seq in self.running:
-                self.block_manager.allocate(seq)
-        return list(self.running), False
+                out.block_copies += bm.grow(seq, seq.num_cached_tokens + n)
+                out.add(seq, n)
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not bm.allocate(seq):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.block_copies += bm.grow(seq, seq.num_cached_tokens + n)
+            out.add(seq, n)
+            budget -= n
+        return out
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and send it back to the front of the queue to be recomputed."""

@@ -28,6 +28,7 @@ class Sequence:
     metrics: RequestMetrics
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the computed full blocks
     num_cached_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
@@ -45,6 +46,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose K/V are not in the cache yet: the whole prompt at first, then one per step."""
+        return self.num_tokens - self.num_cached_tokens
 
     @property
     def is_finished(self) -> bool:

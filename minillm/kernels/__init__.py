@@ -1,0 +1,30 @@
+"""minillm's Triton kernels: FlashAttention (dense, packed varlen, paged KV cache) and a tiled matmul.
+
+The attention functions have the `flash_attn` package's signatures; `reference` holds plain PyTorch versions
+with the same signatures, and `use_triton(device)` is the one place that decides which path runs. Importing
+this package never imports triton (a Linux-only dependency): the kernel modules load on first use.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+from . import reference
+from .backend import interpreting, triton_available, use_triton
+from .online_softmax import combine_partials, merge_partials, partial_attention, tiled_attention
+
+_LAZY = {"flash_attn_func": "api", "flash_attn_varlen_func": "api", "flash_attn_with_kvcache": "api",
+         "matmul": "matmul"}
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "matmul", "reference",
+           "use_triton", "triton_available", "interpreting", "partial_attention", "merge_partials",
+           "combine_partials", "tiled_attention"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        if not triton_available():
+            raise ImportError(f"minillm.kernels.{name} needs the triton package (pip install triton); "
+                              "minillm.kernels.reference has the plain PyTorch version")
+        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

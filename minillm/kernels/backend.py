@@ -1,0 +1,49 @@
+"""Which attention path runs: Triton kernels (compiled on a GPU, interpreted on a CPU) or plain PyTorch.
+
+Triton compiles for GPUs only; on a machine without CUDA its interpreter (`TRITON_INTERPRET=1`) runs the
+same kernel source with numpy, one program instance after another: slow, but exact enough to test with.
+The variable must be set before any kernel is decorated, so this module sets it on import when CUDA is absent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ENV = "MINILLM_ATTENTION"  # "auto" (default), "triton" or "torch"
+
+
+def triton_available() -> bool:
+    """Whether the `triton` package is installed (it is a Linux-only dependency)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in the CPU interpreter rather than compiled for a GPU."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(device: torch.device | str | None = None) -> bool:
+    """True when attention should run through minillm's Triton kernels on `device` (default: CUDA if present).
+
+    `$MINILLM_ATTENTION` decides: "torch" never, "triton" always (on a CPU that means the interpreter, for
+    tests and teaching), "auto" (unset) on CUDA devices only.
+    """
+    choice = os.environ.get(ENV, "auto").lower()
+    if choice not in ("auto", "triton", "torch"):
+        raise ValueError(f"${ENV}={choice!r}; expected 'auto', 'triton' or 'torch'")
+    device_type = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "torch" or (choice == "auto" and device_type != "cuda"):
+        return False
+    if not triton_available():
+        if choice == "triton":
+            raise RuntimeError(f"${ENV}=triton but the triton package is not installed (pip install triton)")
+        return False
+    if device_type == "cpu" and not interpreting():
+        raise RuntimeError(f"${ENV}=triton on a CPU needs TRITON_INTERPRET=1 set before triton is imported")
+    return True

@@ -1,0 +1,225 @@
+"""Roofline accounting: the FLOPs and bytes of every layer of a Llama-family forward pass, and this machine's roofs.
+
+Prefill and decode run the same layers; what differs is how many tokens share each read of the weights.
+`prefill_costs` and `decode_costs` count both, op by op; `measure_bandwidth` and `measure_matmul_flops`
+measure the two roofs (bytes/s and FLOP/s) their ratio, the ridge point, is compared against.
+
+Conventions: a multiply-add is 2 FLOPs (as `torch.utils.flop_counter` counts matmuls); softmax, RMSNorm,
+RoPE and SwiGLU are counted at a few FLOPs per element (stated at each op); bytes are the ideal traffic,
+every tensor read or written once (weights once per forward pass, whatever the number of tokens).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+# Bytes per parameter of the weight formats in the memory-budget table (int4 without its group scales).
+WEIGHT_FORMATS: dict[str, float] = {"fp32": 4, "bf16": 2, "int8": 1, "int4": 0.5}
+
+# Llama-2-7B's shape (meta-llama/Llama-2-7b-hf config.json): the "7B" of the memory table.
+LLAMA2_7B = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
+                        num_kv_heads=32, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+                        max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """FLOPs and bytes moved by one op of the forward pass; ops inside a block run `repeat` (= num_layers) times."""
+
+    name: str
+    flops: float
+    weight_bytes: float  # parameters read
+    act_bytes: float     # activations read and written
+    kv_bytes: float = 0  # keys and values read from or written to the KV cache
+    repeat: int = 1
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.act_bytes + self.kv_bytes
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity, FLOPs per byte moved (the same for one run of the op or all `repeat`)."""
+        return self.flops / self.bytes
+
+
+def forward_costs(config: ModelConfig, query_lens: Sequence[int], context_lens: Sequence[int],
+                  dtype_bytes: float = 2, weight_bytes: float | None = None) -> list[OpCost]:
+    """Every op of one forward pass over a batch: sequence s brings `query_lens[s]` new tokens and attends to
+    `context_lens[s]` tokens in all (cached + new), as in `AttentionMetadata`. Logits are computed for the
+    last new token of each sequence only. `dtype_bytes` sizes activations and the KV cache, `weight_bytes`
+    the parameters (default: `dtype_bytes`)."""
+    if len(query_lens) != len(context_lens) or not query_lens:
+        raise ValueError("give one query length and one context length per sequence (at least one sequence)")
+    if any(q < 1 or c < q for q, c in zip(query_lens, context_lens)):
+        raise ValueError(f"need 1 <= query_len <= context_len per sequence, got {list(zip(query_lens, context_lens))}")
+    c, a = config, dtype_bytes
+    w = dtype_bytes if weight_bytes is None else weight_bytes
+    h, heads, d, i, v = c.hidden_size, c.num_heads, c.head_dim, c.intermediate_size, c.vocab_size
+    q_size, kv_size, qkv = heads * d, c.num_kv_heads * d, (heads + 2 * c.num_kv_heads) * d
+    t, seqs, layers = sum(query_lens), len(query_lens), c.num_layers
+    # (query, key) pairs: new token j of a sequence sits at position ctx - qlen + j and sees keys 0..that (causal)
+    pairs = sum(q * (ctx - q) + q * (q + 1) // 2 for q, ctx in zip(query_lens, context_lens))
+    keys_read = sum(context_lens)  # each sequence's cached keys (and values) read once, shared by its GQA group
+    bias = qkv if c.qkv_bias else 0
+
+    def linear(name: str, rows: int, n_in: int, n_out: int, extra: int = 0) -> OpCost:
+        return OpCost(name, 2 * rows * n_in * n_out + rows * extra, w * (n_in * n_out + extra),
+                      a * rows * (n_in + n_out), repeat=layers)
+
+    return [
+        OpCost("embed_tokens", 0, w * min(t, v) * h, a * t * h),  # a gather: reads only the rows of the tokens
+        OpCost("rms_norm x2", 2 * 4 * t * h, 2 * w * h, 2 * a * 2 * t * h, repeat=layers),  # square, mean, 2 scales
+        linear("qkv_proj", t, h, qkv, bias),
+        OpCost("rope", 3 * t * (q_size + kv_size), 0, a * 2 * t * (q_size + kv_size), repeat=layers),  # 2 mul + add
+        OpCost("store_kv", 0, 0, a * t * 2 * kv_size, a * t * 2 * kv_size, repeat=layers),
+        OpCost("attn_scores", (2 * d + 5) * heads * pairs, 0, a * t * q_size, a * keys_read * kv_size,
+               repeat=layers),  # q.k, then scale, max, exp, sum, divide: 5 per score
+        OpCost("attn_values", 2 * d * heads * pairs, 0, a * t * q_size, a * keys_read * kv_size, repeat=layers),
+        linear("o_proj", t, q_size, h),
+        OpCost("residual x2", 2 * t * h, 0, 2 * a * 3 * t * h, repeat=layers),
+        linear("gate_up_proj", t, h, 2 * i),
+        OpCost("silu_and_mul", 5 * t * i, 0, a * 3 * t * i, repeat=layers),  # silu ~4 (exp, add, div, mul) + mul
+        linear("down_proj", t, i, h),
+        OpCost("final_norm", 4 * t * h, w * h, a * 2 * t * h),
+        OpCost("lm_head", 2 * seqs * h * v, w * h * v, a * seqs * (h + v)),
+    ]
+
+
+def prefill_costs(config: ModelConfig, num_tokens: int, dtype_bytes: float = 2, num_seqs: int = 1,
+                  weight_bytes: float | None = None) -> list[OpCost]:
+    """Prefill of `num_seqs` fresh prompts of `num_tokens` tokens each (nothing cached before)."""
+    return forward_costs(config, [num_tokens] * num_seqs, [num_tokens] * num_seqs, dtype_bytes, weight_bytes)
+
+
+def decode_costs(config: ModelConfig, batch: int, context_len: int, dtype_bytes: float = 2,
+                 weight_bytes: float | None = None) -> list[OpCost]:
+    """One decode step: `batch` sequences, one new token each, attending to `context_len` tokens (new one included)."""
+    return forward_costs(config, [1] * batch, [context_len] * batch, dtype_bytes, weight_bytes)
+
+
+def total_flops(ops: Sequence[OpCost]) -> float:
+    return sum(op.flops * op.repeat for op in ops)
+
+
+def total_bytes(ops: Sequence[OpCost]) -> float:
+    return sum(op.bytes * op.repeat for op in ops)
+
+
+def arithmetic_intensity(ops: Sequence[OpCost]) -> float:
+    """FLOPs per byte of the whole pass: where it sits on the roofline's x axis."""
+    return total_flops(ops) / total_bytes(ops)
+
+
+def ridge_point(peak_flops: float, bandwidth: float) -> float:
+    """The intensity (FLOP/byte) where the two roofs meet: below it memory bounds the speed, above it compute."""
+    return peak_flops / bandwidth
+
+
+def attainable_flops(intensity, peak_flops: float, bandwidth: float):
+    """The roofline itself: min(peak FLOP/s, intensity x bandwidth), for a number or a numpy array."""
+    return np.minimum(peak_flops, np.asarray(intensity, dtype=float) * bandwidth)
+
+
+# ---- measuring this machine -------------------------------------------------------------------------------
+
+
+def _default_device(device) -> torch.device:
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def time_median(fn: Callable[[], object], device: torch.device | str = "cpu", repeats: int = 10,
+                warmup: int = 3) -> float:
+    """Median wall time of `fn()` in seconds, after `warmup` untimed calls (GPU work waited for)."""
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_bandwidth(kind: str = "triad", nbytes: int | None = None, device=None, repeats: int = 10) -> float:
+    """Memory bandwidth in bytes/s from a STREAM-like kernel on arrays of `nbytes` each (far beyond any cache).
+
+    "copy": a = b (reads b, writes a); "triad": a = b + s*c (reads b and c, writes a); "read": sum(b).
+    """
+    device = _default_device(device)
+    nbytes = nbytes or (1 << 30 if device.type == "cuda" else 1 << 27)
+    n = nbytes // 4
+    a, b, c = (torch.rand(n, device=device) for _ in range(3))
+    kernels = {"copy": (lambda: a.copy_(b), 2), "triad": (lambda: torch.add(b, c, alpha=3.0, out=a), 3),
+               "read": (lambda: b.sum(), 1)}
+    if kind not in kernels:
+        raise ValueError(f"kind {kind!r} is not a bandwidth kernel; use one of {sorted(kernels)}")
+    fn, arrays = kernels[kind]
+    return arrays * n * 4 / time_median(fn, device, repeats)
+
+
+def measure_matmul_flops(n: int | None = None, dtype: torch.dtype | None = None, device=None,
+                         repeats: int = 5) -> float:
+    """Matmul throughput in FLOP/s: the median time of one n x n by n x n product (2 n^3 FLOPs)."""
+    device = _default_device(device)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    n = n or (8192 if device.type == "cuda" else 2048)
+    x, y = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    return 2 * n ** 3 / time_median(lambda: x @ y, device, repeats, warmup=2)
+
+
+def decode_matrices(model) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(weight, bias) of every matrix a decode step multiplies by, in call order: 4 per block, then the head."""
+    mats = []
+    for layer in model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            mats.append((lin.weight, lin.bias))
+    head = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight  # tied: the embedding
+    return mats + [(head, None)]
+
+
+def matvec_step(model, batch: int = 1) -> Callable[[], None]:
+    """A decode step stripped to its matrix products: `[batch, in]` inputs times each of the model's own weights
+    through `F.linear`, as the model calls them, and nothing else (no attention, norms, Python between layers)."""
+    mats = decode_matrices(model)
+    weight = mats[0][0]
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], device=weight.device, dtype=weight.dtype) for w, _ in mats}
+
+    @torch.inference_mode()
+    def step() -> None:
+        for w, b in mats:
+            F.linear(inputs[w.shape[1]], w, b)
+    return step
+
+
+# ---- memory budget ----------------------------------------------------------------------------------------
+
+
+def weight_bytes(config: ModelConfig, fmt: str) -> float:
+    """Bytes of the weights alone in format `fmt` (one of WEIGHT_FORMATS)."""
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format {fmt!r} is unknown; use one of {list(WEIGHT_FORMATS)}")
+    return config.num_params * WEIGHT_FORMATS[fmt]
+
+
+def memory_budget(configs: dict[str, ModelConfig], formats: Sequence[str] = tuple(WEIGHT_FORMATS),
+                  kv_dtype_bytes: int = 2) -> list[dict]:
+    """One row per model: parameter count, weight bytes per format, and KV-cache bytes per token (chapter 3)."""
+    from .kv_cache import kv_cache_bytes
+
+    return [{"model": name, "params": cfg.num_params, **{fmt: weight_bytes(cfg, fmt) for fmt in formats},
+             "kv_per_token": kv_cache_bytes(1, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype_bytes)}
+            for name, cfg in configs.items()]

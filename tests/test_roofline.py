@@ -1,0 +1,135 @@
+"""The roofline counts against FLOPs measured by torch's FlopCounterMode, and the memory-budget numbers."""
+
+import math
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from conftest import requires_default_model
+from minillm import LLM, SamplingParams
+from minillm import roofline as rl
+from minillm.config import ModelConfig
+
+LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                      num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5,
+                      max_position_embeddings=8192, tie_word_embeddings=True)
+
+
+def count_flops(llm, prompts, max_tokens):
+    """Run the prompts through `LLMEngine.step`, each step under FlopCounterMode (attention through the math
+    kernel, whose matmuls the counter sees); returns one {"mm": .., "bmm": ..} per step, prefill first."""
+    engine, steps = llm.engine, []
+    for prompt in prompts:
+        engine.add_request(None, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        counter = FlopCounterMode(display=False)
+        with counter, sdpa_kernel(SDPBackend.MATH):
+            engine.step()
+        steps.append({str(op).removeprefix("aten."): n for op, n in counter.get_flop_counts()["Global"].items()})
+    return steps
+
+
+def matmul_flops(ops):
+    """Our counts, split as the counter splits them: linear layers (aten.mm) and attention's two matmuls."""
+    by_name = {op.name: op for op in ops}
+    linear = sum(by_name[n].flops * by_name[n].repeat for n in LINEARS)
+    values = by_name["attn_values"]  # q.k and p.v do the same number of multiply-adds
+    return linear, 2 * values.flops * values.repeat
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    return LLM(tiny_llama, device="cpu", dtype=torch.float32, enable_prefix_caching=False)
+
+
+def test_prefill_flops_match_flop_counter(tiny):
+    config = tiny.engine.config
+    lens = [20, 40]
+    (counted,) = count_flops(tiny, [[5] * n for n in lens], 1)  # both prompts in one step, one token each
+    linear, attention = matmul_flops(rl.forward_costs(config, lens, lens))
+    assert counted["mm"] == linear
+    # the math kernel computes every (query, key) score and masks the upper triangle afterwards;
+    # we count only the causal pairs, n(n+1)/2 of the n^2, as a flash kernel skips the rest
+    full = 4 * config.num_heads * config.head_dim * sum(n * n for n in lens) * config.num_layers
+    assert counted["bmm"] == full
+    assert attention == full * sum(n * (n + 1) // 2 for n in lens) / sum(n * n for n in lens)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_flops_match_flop_counter(tiny, batch):
+    config = tiny.engine.config
+    _, counted, _ = count_flops(tiny, [[7] * 31] * batch, 3)  # context 32 at the first decode step: no block padding
+    linear, attention = matmul_flops(rl.decode_costs(config, batch, 32))
+    assert (counted["mm"], counted["bmm"]) == (linear, attention)
+
+
+@requires_default_model
+@pytest.mark.slow
+def test_default_model_decode_flops_match_flop_counter(default_llm):
+    config = default_llm.engine.config
+    _, counted = count_flops(default_llm, [[42] * 47], 2)  # the decode step attends to 48 tokens
+    assert (counted["mm"], counted["bmm"]) == matmul_flops(rl.decode_costs(config, 1, 48))
+
+
+@pytest.mark.parametrize("config", [SMOLLM2, rl.LLAMA2_7B], ids=["smollm2", "llama2-7b"])
+def test_decode_reads_every_weight_once(config):
+    """One decode step reads each parameter once (the tied head counts the embedding matrix as the head's)."""
+    for batch in (1, 8):
+        weights = sum(op.weight_bytes * op.repeat for op in rl.decode_costs(config, batch, 100, dtype_bytes=2))
+        embedding_rows = (batch - (0 if config.tie_word_embeddings else config.vocab_size)) * config.hidden_size
+        assert weights == 2 * (config.num_params + embedding_rows)
+
+
+def test_intensity_decode_far_below_prefill():
+    for config in (SMOLLM2, rl.LLAMA2_7B):
+        decode = rl.arithmetic_intensity(rl.decode_costs(config, 1, 512))
+        prefill = rl.arithmetic_intensity(rl.prefill_costs(config, 512))
+        assert decode < 2 and prefill > 100  # bf16 decode: about 2 FLOPs per 2-byte weight
+        batched = [rl.arithmetic_intensity(rl.decode_costs(config, b, 512)) for b in (1, 4, 16, 64)]
+        assert batched == sorted(batched) and batched[-1] > 10 * batched[0]
+    assert rl.arithmetic_intensity(rl.decode_costs(SMOLLM2, 1, 1, dtype_bytes=4)) == pytest.approx(0.5, rel=0.01)
+
+
+def test_causal_pairs_and_cached_prefix():
+    ops = {op.name: op for op in rl.forward_costs(SMOLLM2, [4, 1], [10, 7])}
+    pairs = (4 * 6 + 4 * 5 // 2) + 7  # 4 new tokens after 6 cached: 7, 8, 9, 10 keys; plus a decode token on 7
+    assert ops["attn_values"].flops == 2 * SMOLLM2.head_dim * SMOLLM2.num_heads * pairs
+    assert ops["attn_values"].kv_bytes == 2 * (10 + 7) * SMOLLM2.num_kv_heads * SMOLLM2.head_dim
+    assert ops["lm_head"].flops == 2 * 2 * SMOLLM2.hidden_size * SMOLLM2.vocab_size  # one row per sequence
+
+
+def test_bad_lengths_are_rejected():
+    with pytest.raises(ValueError, match="query_len <= context_len"):
+        rl.forward_costs(SMOLLM2, [5], [4])
+    with pytest.raises(ValueError, match="one query length"):
+        rl.forward_costs(SMOLLM2, [1, 1], [4])
+
+
+def test_memory_budget_of_7b_and_ours():
+    rows = {r["model"]: r for r in rl.memory_budget({"7B": rl.LLAMA2_7B, "ours": SMOLLM2})}
+    seven = rows["7B"]
+    assert seven["params"] == 6_738_415_616  # Llama-2-7B's published parameter count
+    assert 13e9 < seven["bf16"] < 14e9 and 26e9 < seven["fp32"] < 28e9
+    assert seven["fp32"] == 2 * seven["bf16"] == 4 * seven["int8"] == 8 * seven["int4"]
+    assert seven["kv_per_token"] == 32 * 32 * 128 * 2 * 2  # layers x kv heads x head dim x (K, V) x bf16
+    assert rows["ours"]["params"] == 134_515_008 and rows["ours"]["fp32"] == pytest.approx(538e6, rel=1e-3)
+    with pytest.raises(ValueError, match="weight format"):
+        rl.weight_bytes(SMOLLM2, "fp8")
+
+
+def test_ridge_point_and_roofline():
+    peak, bw = 100e9, 20e9
+    assert rl.ridge_point(peak, bw) == 5.0
+    assert list(rl.attainable_flops([1.0, 5.0, 50.0], peak, bw)) == [20e9, 100e9, 100e9]
+
+
+def test_measurements_are_positive_and_checked():
+    for kind in ("copy", "triad", "read"):
+        bw = rl.measure_bandwidth(kind, nbytes=1 << 22, device="cpu", repeats=3)
+        assert math.isfinite(bw) and bw > 1e8
+    assert rl.measure_matmul_flops(n=128, device="cpu", repeats=3) > 1e8
+    with pytest.raises(ValueError, match="bandwidth kernel"):
+        rl.measure_bandwidth("scale", nbytes=1 << 20)

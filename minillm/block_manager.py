@@ -68,10 +68,10 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def allocate(self, seq: Sequence) -> bool:
+    def allocate(self, seq: Sequence, reserve: int = 0) -> bool:
         """Give a new (or preempted) sequence blocks for all its tokens, reusing cached prefix blocks.
 
-        Returns False, changing nothing, when the free blocks do not suffice.
+        Returns False, changing nothing, unless `reserve` free blocks would still be left afterwards.
         """
         assert not seq.block_table
         hits = self._prefix_hits(seq)
@@ -79,7 +79,7 @@ class BlockManager:
         reclaimed = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # cached but on the free list
         # a full hit recomputes the last token inside the last hit block: a copy if someone else holds it
         copy = int(bool(hits) and len(hits) * self.block_size >= seq.num_tokens and self.blocks[hits[-1]].ref_count > 0)
-        if fresh + reclaimed + copy > self.num_free_blocks:
+        if fresh + reclaimed + copy + reserve > self.num_free_blocks:
             return False
         for block_id in hits:
             block = self.blocks[block_id]

@@ -2,8 +2,9 @@
 
 Every step spends a budget of `max_num_batched_tokens`. Running sequences go first (one token each when
 decoding, the next chunk of their prompt otherwise); whatever budget is left admits waiting requests,
-oldest first. A finished sequence leaves at once and frees its blocks; when blocks run out, the newest
-running sequence is preempted (its blocks freed, to be recomputed later).
+oldest first, as long as a small watermark of blocks stays free for the running ones to grow into. A
+finished sequence leaves at once and frees its blocks; when blocks run out anyway, the newest running
+sequence is preempted (its blocks freed, to be recomputed later).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
+
+WATERMARK = 0.01  # share of the pool kept free at admission, so a new request rarely evicts itself next step
 
 
 @dataclass
@@ -34,6 +37,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.block_manager = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.watermark_blocks = int(WATERMARK * block_manager.num_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -62,7 +66,7 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not bm.allocate(seq):
+            if not bm.allocate(seq, reserve=self.watermark_blocks if self.running else 0):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

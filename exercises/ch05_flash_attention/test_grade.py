@@ -1,0 +1,123 @@
+"""Grader for exercise 5: your online-softmax pieces against minillm's, and the properties that make them exact."""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+
+def randn(*shape, seed, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+def full_attention(q, k, v, scale, causal=False):
+    """Attention with the whole score matrix, in float32 (bottom-right causal; rows seeing no key -> 0)."""
+    s = (q.float() @ k.float().T) * scale
+    if causal:
+        n, m = s.shape
+        s = s.masked_fill(torch.arange(m)[None, :] > torch.arange(n)[:, None] + (m - n), float("-inf"))
+    return torch.softmax(s, dim=-1).nan_to_num(0.0) @ v.float()
+
+
+def qkv(n, m, d, seed, scale=1.0, dtype=torch.float32):
+    return randn(n, d, seed=seed, scale=scale, dtype=dtype), randn(m, d, seed=seed + 1, scale=scale, dtype=dtype), \
+        randn(m, d, seed=seed + 2, dtype=dtype)
+
+
+@pytest.mark.points(2)
+def test_partial_attention_matches_reference(impl, ref):
+    for seed, (n, m, d) in enumerate([(1, 1, 8), (5, 7, 16), (16, 3, 64), (9, 33, 32)]):
+        q, k, v = qkv(n, m, d, seed)
+        (o, lse), (ro, rlse) = impl.partial_attention(q, k, v, d ** -0.5), ref.partial_attention(q, k, v, d ** -0.5)
+        assert_close(o, ro, msg=lambda e: f"o, n={n} m={m} d={d}: {e}")
+        assert_close(lse, rlse, msg=lambda e: f"lse, n={n} m={m} d={d}: {e}")
+
+
+@pytest.mark.points(1)
+def test_partial_attention_mask_and_empty_rows(impl, ref):
+    q, k, v = qkv(6, 10, 16, seed=10)
+    mask = randn(6, 10, seed=13) > 0
+    mask[2] = False  # this query sees no key
+    o, lse = impl.partial_attention(q, k, v, 0.25, mask=mask)
+    ro, rlse = ref.partial_attention(q, k, v, 0.25, mask=mask)
+    assert not torch.isnan(o).any(), "a row that sees no key must give o = 0, not NaN"
+    assert torch.isneginf(lse[2]), f"a row that sees no key has lse = -inf, got {lse[2]}"
+    assert_close(o, ro, msg=lambda e: f"masked o: {e}")
+    assert_close(lse, rlse, msg=lambda e: f"masked lse: {e}")
+
+
+@pytest.mark.points(2)
+def test_merge_equals_attention_over_the_union(impl, ref):
+    for seed, (n, m, split, d) in enumerate([(4, 10, 3, 16), (7, 33, 16, 32), (1, 2, 1, 8), (16, 64, 60, 64)]):
+        q, k, v = qkv(n, m, d, seed=20 + seed)
+        scale = d ** -0.5
+        a = ref.partial_attention(q, k[:split], v[:split], scale)
+        b = ref.partial_attention(q, k[split:], v[split:], scale)
+        o, lse = impl.merge_partials(*a, *b)
+        assert_close(o, full_attention(q, k, v, scale), msg=lambda e: f"merged o, keys split {split}|{m - split}: {e}")
+        assert_close(lse, torch.logsumexp((q @ k.T) * scale, dim=-1), msg=lambda e: f"merged lse: {e}")
+        o_swapped, _ = impl.merge_partials(*b, *a)
+        assert_close(o_swapped, o, msg=lambda e: f"merging is symmetric: {e}")
+
+
+@pytest.mark.points(1)
+def test_merge_large_scores_do_not_overflow(impl, ref):
+    q, k, v = qkv(5, 12, 16, seed=30, scale=40.0)  # scores in the thousands: exp() alone overflows
+    a, b = ref.partial_attention(q, k[:5], v[:5], 1.0), ref.partial_attention(q, k[5:], v[5:], 1.0)
+    o, lse = impl.merge_partials(*a, *b)
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all(), "subtract the larger lse before exp()"
+    ro, rlse = ref.merge_partials(*a, *b)
+    assert_close(o, ro, msg=lambda e: f"o with huge scores: {e}")
+    assert_close(lse, rlse, msg=lambda e: f"lse with huge scores: {e}")
+
+
+@pytest.mark.points(1)
+def test_merge_with_empty_partials(impl, ref):
+    q, k, v = qkv(4, 6, 8, seed=40)
+    some = ref.partial_attention(q, k, v, 0.5)
+    empty = (torch.zeros(4, 8), torch.full((4,), float("-inf")))
+    o, lse = impl.merge_partials(*some, *empty)
+    assert_close(o, some[0], msg=lambda e: f"merging with an empty partial changes nothing (o): {e}")
+    assert_close(lse, some[1], msg=lambda e: f"merging with an empty partial changes nothing (lse): {e}")
+    o, lse = impl.merge_partials(*empty, *empty)
+    assert not torch.isnan(o).any() and (o == 0).all(), "two empty partials merge into o = 0, not NaN"
+    assert torch.isneginf(lse).all(), "two empty partials merge into lse = -inf"
+
+
+@pytest.mark.points(2)
+def test_tiled_attention_matches_reference(impl, ref):
+    for seed, (n, m, d, block_n) in enumerate([(1, 1, 8, 16), (5, 37, 16, 8), (16, 16, 64, 16), (9, 40, 32, 1),
+                                               (3, 20, 16, 64), (12, 50, 32, 7)]):
+        q, k, v = qkv(n, m, d, seed=50 + seed)
+        out = impl.tiled_attention(q, k, v, block_n=block_n)
+        assert out.shape == q.shape, f"output shape {tuple(out.shape)}, expected {tuple(q.shape)}"
+        assert_close(out, ref.tiled_attention(q, k, v, block_n=block_n),
+                     msg=lambda e: f"n={n} m={m} d={d} block_n={block_n}: {e}")
+        assert_close(out, full_attention(q, k, v, d ** -0.5), msg=lambda e: f"against full attention: {e}")
+
+
+@pytest.mark.points(2)
+def test_tiled_attention_causal_bottom_right(impl, ref):
+    for seed, (n, m, block_n) in enumerate([(8, 8, 3), (3, 20, 8), (1, 17, 4), (20, 6, 4), (16, 16, 16)]):
+        q, k, v = qkv(n, m, 16, seed=60 + seed)
+        out = impl.tiled_attention(q, k, v, block_n=block_n, causal=True)
+        assert not torch.isnan(out).any(), f"n={n} > m={m}: rows that see no key must be zeros, not NaN"
+        assert_close(out, full_attention(q, k, v, 0.25, causal=True),
+                     msg=lambda e: f"causal, n={n} queries, m={m} keys, block_n={block_n}: {e}")
+
+
+@pytest.mark.points(1)
+def test_tiled_attention_scale_and_large_scores(impl, ref):
+    q, k, v = qkv(6, 30, 16, seed=70, scale=30.0)
+    for scale in (None, 0.05, 1.0):
+        out = impl.tiled_attention(q, k, v, block_n=8, scale=scale)
+        assert torch.isfinite(out).all(), f"scale={scale}: keep a running max so exp() never overflows"
+        assert_close(out, ref.tiled_attention(q, k, v, block_n=8, scale=scale), msg=lambda e: f"scale={scale}: {e}")
+
+
+@pytest.mark.points(1)
+def test_tiled_attention_bfloat16(impl, ref):
+    q, k, v = qkv(7, 19, 32, seed=80, dtype=torch.bfloat16)
+    out = impl.tiled_attention(q, k, v, block_n=4, causal=True)
+    assert out.dtype == torch.bfloat16, f"return q's dtype; got {out.dtype}"
+    assert_close(out, ref.tiled_attention(q, k, v, block_n=4, causal=True), atol=2e-2, rtol=2e-2,
+                 msg=lambda e: f"bf16 (accumulate in float32): {e}")

@@ -26,6 +26,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [num_seqs] tokens in the cache for each sequence after this step
     query_lens: list[int]       # new tokens of each sequence
     num_prefills: int           # the first num_prefills sequences are prefills, the rest decodes
+    use_triton: bool = False    # attend with minillm.kernels (Triton) instead of plain PyTorch
 
     def __post_init__(self) -> None:
         p = self.num_prefills
@@ -42,6 +43,13 @@ class _Part:
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     query_lens: list[int]
+
+    def __post_init__(self) -> None:
+        """The packed offsets the Triton kernels read (int32, computed once per step rather than per layer)."""
+        device = self.context_lens.device
+        self.cu_seqlens_q = F.pad(torch.tensor(self.query_lens, device=device).cumsum(0), (1, 0)).int()
+        self.cu_seqlens_k = F.pad(self.context_lens.cumsum(0), (1, 0)).int()
+        self.max_seqlen_k = int(self.context_lens.max())
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -114,9 +122,30 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """Store this step's K/V, then attend: the prefill part and the decode part each through its own path."""
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     p = meta.num_prefill_tokens
+    prefill, decode = (triton_prefill_attention, triton_decode_attention) if meta.use_triton else \
+        (prefill_attention, decode_attention)
     parts = []
     if meta.prefill is not None:
-        parts.append(prefill_attention(q[:p], k[:p], v[:p], k_cache, v_cache, meta.prefill, scale))
+        parts.append(prefill(q[:p], k[:p], v[:p], k_cache, v_cache, meta.prefill, scale))
     if meta.decode is not None:
-        parts.append(decode_attention(q[p:], k_cache, v_cache, meta.decode, scale))
+        parts.append(decode(q[p:], k_cache, v_cache, meta.decode, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def triton_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, meta: _Part, scale: float) -> torch.Tensor:
+    """`prefill_attention` through the FlashAttention kernel, reading every key (cached or new) from the pages."""
+    from .kernels import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
+                                  max_seqlen_q=max(meta.query_lens), max_seqlen_k=meta.max_seqlen_k, causal=True,
+                                  softmax_scale=scale, block_table=meta.block_tables)
+
+
+def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: _Part,
+                            scale: float) -> torch.Tensor:
+    """`decode_attention` through the paged FlashAttention decode kernel (split along the keys when that helps)."""
+    from .kernels import flash_attn_with_kvcache
+
+    return flash_attn_with_kvcache(q[:, None], k_cache, v_cache, cache_seqlens=meta.context_lens,
+                                   block_table=meta.block_tables, softmax_scale=scale)[:, 0]

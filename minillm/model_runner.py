@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .attention import AttentionMetadata
+from .kernels import use_triton
 from .kv_cache import KVCache
 from .model import CausalLM
 from .sampling import sample
@@ -18,6 +19,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device):
         self.model, self.kv_cache, self.device = model, kv_cache, device
         self.block_size = kv_cache.block_size
+        self.use_triton = use_triton(device)  # the one place the attention path is chosen
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -40,9 +42,10 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             block_tables=self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
-            context_lens=self._tensor([s.num_cached_tokens + n for s, n in zip(seqs, num_new_tokens)]),
+            context_lens=self._tensor([s.num_cached_tokens + n for s, n in zip(seqs, num_new_tokens)]).int(),
             query_lens=num_new_tokens,
             num_prefills=sum(n > 1 for n in num_new_tokens),
+            use_triton=self.use_triton,
         )
         return self._tensor(ids), self._tensor(positions), meta, seqs
 

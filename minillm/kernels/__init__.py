@@ -1,4 +1,4 @@
-"""minillm's Triton kernels: FlashAttention (dense, packed varlen, paged KV cache) and a tiled matmul.
+"""minillm's Triton kernels: FlashAttention (dense, packed varlen, paged KV cache) and a tiled matmul (`.matmul`).
 
 The attention functions have the `flash_attn` package's signatures; `reference` holds plain PyTorch versions
 with the same signatures, and `use_triton(device)` is the one place that decides which path runs. Importing
@@ -13,10 +13,9 @@ from . import reference
 from .backend import interpreting, triton_available, use_triton
 from .online_softmax import combine_partials, merge_partials, partial_attention, tiled_attention
 
-_LAZY = {"flash_attn_func": "api", "flash_attn_varlen_func": "api", "flash_attn_with_kvcache": "api",
-         "matmul": "matmul"}
+_LAZY = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")  # from .api, on first use
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "matmul", "reference",
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "reference",
            "use_triton", "triton_available", "interpreting", "partial_attention", "merge_partials",
            "combine_partials", "tiled_attention"]
 
@@ -26,5 +25,5 @@ def __getattr__(name: str):
         if not triton_available():
             raise ImportError(f"minillm.kernels.{name} needs the triton package (pip install triton); "
                               "minillm.kernels.reference has the plain PyTorch version")
-        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+        return getattr(import_module(".api", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,15 +11,16 @@ import torch
 
 from .flash_attention import attention_forward
 
-HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two: tl.arange needs one
+HEAD_DIMS = (16, 32, 64, 128)  # powers of two (tl.arange needs one) whose tiles fit in shared memory
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: int) -> None:
-    if q.dim() != dims or k.dim() != v.dim() or k.shape != v.shape:
-        raise ValueError(f"expected q with {dims} dims and k, v of one shape; got q {tuple(q.shape)}, "
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_dims: int, k_dims: int) -> None:
+    if q.dim() != q_dims or k.dim() != k_dims or k.shape != v.shape:
+        raise ValueError(f"expected q with {q_dims} dims, k and v of one shape with {k_dims}; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"q, k, v must share one dtype of float16, bfloat16, float32; got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(f"q, k, v must share one dtype of float16, bfloat16, float32; "
+                         f"got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
     if q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1]:
@@ -40,7 +41,7 @@ def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     softmax_scale: float | None = None) -> torch.Tensor:
     """q `[batch, seqlen_q, nheads, d]`, k and v `[batch, seqlen_k, nheads_k, d]` -> `[batch, seqlen_q, nheads, d]`."""
-    _check(q, k, v, 4)
+    _check(q, k, v, 4, 4)
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"q has batch {q.shape[0]} but k has {k.shape[0]}")
     q, k, v = _last_dim_contiguous(q, k, v)
@@ -57,10 +58,10 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     [batch, max_blocks]`, paged caches `[num_blocks, block_size, nheads_k, d]` holding cu_seqlens_k[b+1] -
     cu_seqlens_k[b] keys of sequence b (flash-attn's paged varlen mode). max_seqlen_* bound the lengths.
     """
-    _check(q, k, v, 3 if block_table is None else 4)
-    if q.dim() != 3 or cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1:
-        raise ValueError(f"q must be [total_q, nheads, d] and cu_seqlens_q, cu_seqlens_k [batch + 1]; got "
-                         f"q {tuple(q.shape)}, {tuple(cu_seqlens_q.shape)}, {tuple(cu_seqlens_k.shape)}")
+    _check(q, k, v, 3, 3 if block_table is None else 4)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both be [batch + 1]; got "
+                         f"{tuple(cu_seqlens_q.shape)}, {tuple(cu_seqlens_k.shape)}")
     q, k, v = _last_dim_contiguous(q, k, v)
     seqlens_k = None
     if block_table is not None:
@@ -68,12 +69,12 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
             raise ValueError(f"block_table has {block_table.shape[0]} rows for {cu_seqlens_q.numel() - 1} sequences")
         seqlens_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
     return attention_forward(q, k, v, causal=causal, scale=_scale(q, softmax_scale), max_seqlen_q=int(max_seqlen_q),
-                             max_seqlen_k=int(max_seqlen_k), cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                             seqlens_k=seqlens_k, block_table=block_table)
+                             max_seqlen_k=int(max_seqlen_k), cu_seqlens_q=cu_seqlens_q.to(torch.int32),
+                             cu_seqlens_k=cu_seqlens_k.to(torch.int32), seqlens_k=seqlens_k, block_table=block_table)
 
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+                            cache_seqlens: torch.Tensor | int, block_table: torch.Tensor | None,
                             softmax_scale: float | None = None, causal: bool = True,
                             num_splits: int = 0) -> torch.Tensor:
     """q `[batch, seqlen_q, nheads, d]` against the first cache_seqlens[b] cached keys of each sequence.
@@ -84,8 +85,10 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     sequence's keys among that many programs (split-K, "flash decoding"); 0 picks a number from the
     device's size, 1 turns it off.
     """
-    _check(q, k_cache, v_cache, 4)
+    _check(q, k_cache, v_cache, 4, 4)
     batch = q.shape[0]
+    if isinstance(cache_seqlens, int):  # one length for every sequence, as flash-attn allows
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     if cache_seqlens.shape != (batch,):
         raise ValueError(f"cache_seqlens must be [batch={batch}]; got {tuple(cache_seqlens.shape)}")
     if block_table is None:  # a contiguous cache is a paged one with one block per sequence
@@ -99,8 +102,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     splits = num_splits or _num_splits(batch * k_cache.shape[2], q.shape[1] * q.shape[2] // k_cache.shape[2],
                                        max_seqlen_k, q.device)
     return attention_forward(q, k_cache, v_cache, causal=causal, scale=_scale(q, softmax_scale),
-                             max_seqlen_q=q.shape[1], max_seqlen_k=max_seqlen_k, seqlens_k=cache_seqlens,
-                             block_table=block_table, num_splits=splits)
+                             max_seqlen_q=q.shape[1], max_seqlen_k=max_seqlen_k,
+                             seqlens_k=cache_seqlens.to(torch.int32), block_table=block_table, num_splits=splits)
 
 
 def _num_splits(programs: int, rows: int, max_seqlen_k: int, device: torch.device) -> int:

@@ -28,6 +28,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot`'s input_precision: float32 through three TF32 products (about float32's accuracy on Tensor
+    Cores, where plain "tf32" keeps only 10 mantissa bits); 16-bit types multiply exactly anyway."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
 def use_triton(device: torch.device | str | None = None) -> bool:
     """True when attention should run through minillm's Triton kernels on `device` (default: CUDA if present).
 

@@ -3,8 +3,8 @@
 Each program owns a tile of BLOCK_M query rows of one sequence and one key/value head. It loads its queries
 into on-chip memory once, then streams the sequence's keys and values past them BLOCK_N at a time, keeping
 an online softmax (running max `m`, running sum `l`, unnormalized output `acc`) in registers. The N x N
-score matrix exists only one BLOCK_M x BLOCK_N tile at a time and never touches HBM: each input is read
-about once per query tile and the output written once.
+score matrix exists only one BLOCK_M x BLOCK_N tile at a time and never touches HBM: Q is read once, K and
+V once per query tile, and O is written once.
 
 Rows are (query position, query head) pairs: with GQA the GROUP query heads that share a key/value head
 sit in the same tile, so each key/value tile fetched from HBM serves all of them (a decode step's GROUP
@@ -13,15 +13,17 @@ heads fill the rows that a single query position would leave empty).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from .backend import interpreting
+from .backend import dot_precision, interpreting
 from .online_softmax import combine_partials
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the scale is folded into one multiply
-LN2: tl.constexpr = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): converts the log2-domain LSE back to natural log
 
 
 @triton.jit
@@ -31,22 +33,24 @@ def _attn_tile(acc, l_i, m_i, q, K, V, k_base, v_base, bt_row, pos, start, end, 
                PAGED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Visit keys [start, end) BLOCK_N at a time, folding each block into the running (acc, l, m)."""
     offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = start + tl.arange(0, BLOCK_N)
+    if not PAGED:  # contiguous keys: pointers to the first block, advanced by BLOCK_N rows per step
+        k_ptrs = K + k_base + offs_n[:, None] * stride_kt + offs_d[None, :]
+        v_ptrs = V + v_base + offs_n[:, None] * stride_vt + offs_d[None, :]
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         in_seq = offs_n < seqlen_k
         if PAGED:  # logical key position -> (physical block, slot) through the block table
             block = tl.load(bt_row + offs_n // page_size, mask=in_seq, other=0).to(tl.int64)
-            k_rows = block * stride_kb + (offs_n % page_size) * stride_kt
-            v_rows = block * stride_vb + (offs_n % page_size) * stride_vt
-        else:
-            k_rows = offs_n.to(tl.int64) * stride_kt
-            v_rows = offs_n.to(tl.int64) * stride_vt
+            slot = (offs_n % page_size)[:, None]
+            k_ptrs = K + k_base + block[:, None] * stride_kb + slot * stride_kt + offs_d[None, :]
+            v_ptrs = V + v_base + block[:, None] * stride_vb + slot * stride_vt + offs_d[None, :]
         if MASKED:  # the last, partial block, or one crossing the causal diagonal
-            k = tl.load(K + k_base + k_rows[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
-            v = tl.load(V + v_base + v_rows[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+            k = tl.load(k_ptrs, mask=in_seq[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)
         else:
-            k = tl.load(K + k_base + k_rows[:, None] + offs_d[None, :])
-            v = tl.load(V + v_base + v_rows[:, None] + offs_d[None, :])
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
         if UPCAST:  # the interpreter multiplies in numpy, which has no bfloat16
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -62,10 +66,13 @@ def _attn_tile(acc, l_i, m_i, q, K, V, k_base, v_base, bt_row, pos, start, end, 
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+        if not PAGED:
+            k_ptrs += BLOCK_N * stride_kt
+            v_ptrs += BLOCK_N * stride_vt
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "page_size", "split_len", "tune_key"])  # sizes vary
 def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table, qk_scale,
               seqlen_q, seqlen_k, page_size, split_len, tune_key,
               stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -143,15 +150,24 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_tabl
                  mask=row_ok)
 
 
-PREFILL_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-                   for m, n, w, s in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4),
-                                      (64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 8, 4), (64, 128, 4, 3)]]
-DECODE_CONFIGS = [triton.Config({"BLOCK_M": 16, "BLOCK_N": n}, num_warps=w, num_stages=s)
-                  for n, w, s in [(64, 4, 2), (128, 4, 2), (64, 4, 3), (32, 2, 3)]]
-_KEY = ["HEAD_DIM", "GROUP", "IS_CAUSAL", "PAGED", "NUM_SPLITS", "tune_key"]
-_prefill_tuned = triton.autotune(PREFILL_CONFIGS, key=_KEY)(_attn_fwd)
-_decode_tuned = triton.autotune(DECODE_CONFIGS, key=_KEY)(_attn_fwd)
+# Tile shapes on a GPU. Large prefills are autotuned: the first call for each shape class (head dim, GQA
+# group, causal, paged, splits, dtypes and the power of two above the query rows) times every candidate
+# and keeps the fastest. Small problems (tests, short prompts, decode) take a fixed, safe configuration,
+# which costs one compilation and no tuning.
+TUNED = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+         for m, n, w, s in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)]]
+_tuned = triton.autotune(TUNED, key=["HEAD_DIM", "GROUP", "IS_CAUSAL", "PAGED", "NUM_SPLITS", "tune_key"])(_attn_fwd)
+SMALL = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+FLOAT32 = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)  # 4-byte tiles: half the keys per step
+DECODE = dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2)
+AUTOTUNE_WORK = 1 << 20  # query rows x keys above which a launch is autotuned
 INTERPRETER_BLOCK = 16  # small tiles, so that small test shapes still span several tiles
+
+
+@functools.cache
+def _placeholder(device: torch.device) -> torch.Tensor:
+    """Stands in for the index tensors a layout does not use (the kernel never reads it)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def _strides(x: torch.Tensor, batched: bool) -> tuple[int, int, int]:
@@ -180,9 +196,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         lse_buf = torch.empty((num_splits, *q.shape[:-1], 1), dtype=torch.float32, device=q.device)
         so = (o_buf.stride(0), *_strides(o_buf[0], not varlen))
         sl = (lse_buf.stride(0), *_strides(lse_buf[0], not varlen))
-    block_n = INTERPRETER_BLOCK if interpreting() else 128  # split_len: a multiple of every config's BLOCK_N
+    block_n = INTERPRETER_BLOCK if interpreting() else 128  # split_len: a multiple of every BLOCK_N
     split_len = triton.cdiv(triton.cdiv(max_seqlen_k, num_splits), block_n) * block_n
-    dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
+    dummy = _placeholder(q.device)
     args = (q, k, v, o_buf, lse_buf, dummy if cu_seqlens_q is None else cu_seqlens_q,
             dummy if cu_seqlens_k is None else cu_seqlens_k, dummy if seqlens_k is None else seqlens_k,
             dummy if block_table is None else block_table, scale * LOG2E,
@@ -190,15 +206,21 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
             *_strides(q, not varlen), *_strides(k, k.dim() == 4), *_strides(v, v.dim() == 4), *so, *sl,
             block_table.stride(0) if paged else 0)
     consts = dict(GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, IS_CAUSAL=causal, VARLEN=varlen,
-                  PAGED=paged, UPCAST=interpreting(), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+                  PAGED=paged, UPCAST=interpreting(), DOT_PRECISION=dot_precision(q.dtype))
 
     def grid(meta):
         return (triton.cdiv(rows, meta["BLOCK_M"]) * num_splits, batch, nheads_k)
 
     if interpreting():
         _attn_fwd[grid](*args, **consts, BLOCK_M=INTERPRETER_BLOCK, BLOCK_N=INTERPRETER_BLOCK)
+    elif rows <= 64:
+        _attn_fwd[grid](*args, **consts, **DECODE)
+    elif q.dtype == torch.float32:  # float32 is for checking, not speed: no tuning
+        _attn_fwd[grid](*args, **consts, **FLOAT32)
+    elif rows * max_seqlen_k < AUTOTUNE_WORK:
+        _attn_fwd[grid](*args, **consts, **SMALL)
     else:
-        (_decode_tuned if rows <= 64 else _prefill_tuned)[grid](*args, **consts)
+        _tuned[grid](*args, **consts)
     if num_splits > 1:
         out.copy_(combine_partials(o_buf, lse_buf[..., 0])[0])
     return out

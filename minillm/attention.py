@@ -45,11 +45,12 @@ class _Part:
     query_lens: list[int]
 
     def __post_init__(self) -> None:
-        """The packed offsets the Triton kernels read (int32, computed once per step rather than per layer)."""
+        """Lengths as Python ints and the packed offsets the Triton kernels read, once per step, not per layer."""
+        self.context_lens_list = self.context_lens.tolist()
         device = self.context_lens.device
         self.cu_seqlens_q = F.pad(torch.tensor(self.query_lens, device=device).cumsum(0), (1, 0)).int()
         self.cu_seqlens_k = F.pad(self.context_lens.cumsum(0), (1, 0)).int()
-        self.max_seqlen_k = int(self.context_lens.max())
+        self.max_seqlen_k = max(self.context_lens_list)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -83,7 +84,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     """
     out = torch.empty_like(q)
     start = 0
-    for i, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens.tolist())):
+    for i, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens_list)):
         qi = q[start:start + qlen].transpose(0, 1)
         if ctx == qlen:  # nothing cached before: the fresh k, v are the whole context
             ki, vi = k[start:start + qlen], v[start:start + qlen]
@@ -104,7 +105,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      meta: _Part, scale: float) -> torch.Tensor:
     """One new token per sequence, `q: [num_seqs, heads, head_dim]`, attending to its whole cached context."""
     if q.shape[0] == 1:  # a lone sequence needs no padding mask
-        ctx = int(meta.context_lens[0])
+        ctx = meta.context_lens_list[0]
         k = gather_kv(k_cache, meta.block_tables[0], ctx).transpose(0, 1)[None]
         v = gather_kv(v_cache, meta.block_tables[0], ctx).transpose(0, 1)[None]
         mask = None

@@ -15,10 +15,9 @@ from torch import nn
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight, computed in float32 like the reference implementation."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:  # one fused op, same arithmetic
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -61,8 +60,12 @@ def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tens
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [tokens, heads, head_dim] by its positions' angles (half-split layout, as in HF Llama)."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    """Rotate x [tokens, heads, head_dim] by its positions' angles (half-split layout, as in HF Llama).
+
+    cos and sin are `[tokens, head_dim]`, or already `[tokens, 1, head_dim]` to broadcast over heads.
+    """
+    if cos.dim() == x.dim() - 1:
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos + rotated * sin
@@ -85,8 +88,12 @@ class RotaryEmbedding(nn.Module):
         cos, sin = rope_cos_sin(rope_inv_freq(self.head_dim, self.theta, self.scaling), self.max_positions)
         self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The angles of the given positions, `[tokens, 1, head_dim]`, looked up once per step for every layer."""
+        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos[positions].to(q.dtype), self.sin[positions].to(q.dtype)
+        cos, sin = self.cos_sin(positions, q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 

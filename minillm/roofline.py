@@ -2,7 +2,8 @@
 
 Prefill and decode run the same layers; what differs is how many tokens share each read of the weights.
 `prefill_costs` and `decode_costs` count both, op by op; `measure_bandwidth` and `measure_matmul_flops`
-measure the two roofs (bytes/s and FLOP/s) their ratio, the ridge point, is compared against.
+measure the machine's two roofs (bytes/s and FLOP/s), whose ratio, the ridge point, splits memory-bound
+work from compute-bound work.
 
 Conventions: a multiply-add is 2 FLOPs (as `torch.utils.flop_counter` counts matmuls); softmax, RMSNorm,
 RoPE and SwiGLU are counted at a few FLOPs per element (stated at each op); bytes are the ideal traffic,
@@ -70,16 +71,16 @@ def forward_costs(config: ModelConfig, query_lens: Sequence[int], context_lens: 
     # (query, key) pairs: new token j of a sequence sits at position ctx - qlen + j and sees keys 0..that (causal)
     pairs = sum(q * (ctx - q) + q * (q + 1) // 2 for q, ctx in zip(query_lens, context_lens))
     keys_read = sum(context_lens)  # each sequence's cached keys (and values) read once, shared by its GQA group
-    bias = qkv if c.qkv_bias else 0
+    qkv_bias = qkv if c.qkv_bias else 0
 
-    def linear(name: str, rows: int, n_in: int, n_out: int, extra: int = 0) -> OpCost:
-        return OpCost(name, 2 * rows * n_in * n_out + rows * extra, w * (n_in * n_out + extra),
+    def linear(name: str, rows: int, n_in: int, n_out: int, bias: int = 0) -> OpCost:
+        return OpCost(name, 2 * rows * n_in * n_out + rows * bias, w * (n_in * n_out + bias),
                       a * rows * (n_in + n_out), repeat=layers)
 
     return [
         OpCost("embed_tokens", 0, w * min(t, v) * h, a * t * h),  # a gather: reads only the rows of the tokens
         OpCost("rms_norm x2", 2 * 4 * t * h, 2 * w * h, 2 * a * 2 * t * h, repeat=layers),  # square, mean, 2 scales
-        linear("qkv_proj", t, h, qkv, bias),
+        linear("qkv_proj", t, h, qkv, qkv_bias),
         OpCost("rope", 3 * t * (q_size + kv_size), 0, a * 2 * t * (q_size + kv_size), repeat=layers),  # 2 mul + add
         OpCost("store_kv", 0, 0, a * t * 2 * kv_size, a * t * 2 * kv_size, repeat=layers),
         OpCost("attn_scores", (2 * d + 5) * heads * pairs, 0, a * t * q_size, a * keys_read * kv_size,

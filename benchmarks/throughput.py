@@ -1,0 +1,132 @@
+"""Offline throughput: minillm's continuous batching against Hugging Face `generate`, in one run.
+
+Two seeded workloads of real text (this repository's own prose), every request running to its own
+`max_tokens` (ignore_eos):
+  chat  prompts 16-128 tokens, answers 64-256 tokens
+  rag   prompts 256-1024 tokens, answers 16-64 tokens
+Each is run by (a) HF `generate` one request at a time, (b) HF `generate` in static batches of 8 (left
+padding; a batch runs until its longest answer is done), (c) minillm with all requests submitted at
+once. The HF baselines run on a seeded subset and are reported as output tokens per second, which does
+not depend on how many requests were timed. Usage:
+
+    python -m benchmarks.throughput [--workload chat|rag|both] [--requests N] [--hf-requests N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from minillm import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKLOADS = {"chat": ((16, 128), (64, 256)), "rag": ((256, 1024), (16, 64))}
+STATIC_BATCH = 8
+
+
+def corpus_ids(tokenizer) -> list[int]:
+    """Token ids of real English prose: the book's own pages and README."""
+    text = "\n\n".join(p.read_text() for p in sorted((ROOT / "book").glob("*.md")) + [ROOT / "README.md"])
+    return tokenizer(text, verbose=False).input_ids
+
+
+def make_workload(name: str, n: int, tokenizer, seed: int = 0) -> list[tuple[list[int], int]]:
+    """`n` (prompt ids, max_tokens) pairs: windows of the corpus, lengths drawn uniformly from the ranges."""
+    (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[name]
+    ids, rng = corpus_ids(tokenizer), random.Random(seed)
+    work = []
+    for _ in range(n):
+        length = rng.randint(p_lo, p_hi)
+        start = rng.randrange(0, max(1, len(ids) - length))
+        prompt = (ids * (1 + length // len(ids)))[start:start + length]
+        work.append((prompt, rng.randint(o_lo, o_hi)))
+    return work
+
+
+def run_minillm(llm: LLM, work) -> dict:
+    prompts = [p for p, _ in work]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in work]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == m for o, (_, m) in zip(outs, work))
+    return {"output_tokens": sum(m for _, m in work), "seconds": elapsed}
+
+
+@torch.inference_mode()
+def run_hf(model, work, batch: int, pad_id: int) -> dict:
+    """HF greedy generate in static batches (left padded); only each request's own tokens count as output."""
+    start = time.perf_counter()
+    for i in range(0, len(work), batch):
+        group = work[i:i + batch]
+        width = max(len(p) for p, _ in group)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group])
+        longest = max(m for _, m in group)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                             do_sample=False, pad_token_id=pad_id)
+        assert out.shape[1] == width + longest
+    return {"output_tokens": sum(m for _, m in work), "seconds": time.perf_counter() - start}
+
+
+def prefill_tokens_per_s(llm: LLM, hf, prompts: list[list[int]]) -> tuple[float, float]:
+    """Prompt tokens/s of one forward pass over each prompt alone, minillm and HF (median over prompts).
+
+    `llm` must not cache prefixes: the warm-up pass would otherwise leave the timed prompt already cached.
+    """
+    assert not llm.engine.block_manager.enable_prefix_caching
+    def rate(fn, p):
+        fn(p)  # warm-up for this shape
+        start = time.perf_counter()
+        fn(p)
+        return len(p) / (time.perf_counter() - start)
+
+    with torch.inference_mode():
+        ours = sorted(rate(llm.engine.next_token_logits, p) for p in prompts)
+        theirs = sorted(rate(lambda p: hf(torch.tensor([p])), p) for p in prompts)
+    return ours[len(ours) // 2], theirs[len(theirs) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", choices=["chat", "rag", "both"], default="both")
+    parser.add_argument("--requests", type=int, default=48, help="requests minillm runs per workload")
+    parser.add_argument("--hf-requests", type=int, default=8, help="seeded subset the HF baselines run")
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM()
+    tok = llm.get_tokenizer()
+    hf = AutoModelForCausalLM.from_pretrained(str(llm.engine.path), dtype=llm.engine.dtype).to(llm.engine.device).eval()
+    print(f"device {llm.engine.device}, dtype {llm.engine.dtype}, torch threads {torch.get_num_threads()}")
+    run_minillm(llm, make_workload("chat", 4, tok, seed=123))  # warm-up
+    names = ["chat", "rag"] if args.workload == "both" else [args.workload]
+    for name in names:
+        work = make_workload(name, args.requests, tok)
+        subset = random.Random(1).sample(work, min(args.hf_requests, len(work)))
+        results = {
+            "HF one at a time": run_hf(hf, subset, 1, tok.pad_token_id),
+            f"HF static batch {STATIC_BATCH}": run_hf(hf, subset, STATIC_BATCH, tok.pad_token_id),
+            "minillm": run_minillm(llm, work),
+        }
+        print(f"\n{name}: {len(work)} requests for minillm, {len(subset)} for HF; "
+              f"prompts {WORKLOADS[name][0]}, answers {WORKLOADS[name][1]} tokens")
+        rates = {k: r["output_tokens"] / r["seconds"] for k, r in results.items()}
+        for k, r in results.items():
+            print(f"  {k:20s} {r['output_tokens']:6d} output tokens in {r['seconds']:7.1f} s = {rates[k]:7.1f} tok/s")
+        a, b = rates["HF one at a time"], rates[f"HF static batch {STATIC_BATCH}"]
+        print(f"  minillm / (a) = {rates['minillm'] / a:.2f}x   minillm / (b) = {rates['minillm'] / b:.2f}x")
+        if name == "rag":
+            cold = LLM(enable_prefix_caching=False)
+            ours, theirs = prefill_tokens_per_s(cold, hf, [p for p, _ in subset[:4]])
+            del cold
+            print(f"  prefill: minillm {ours:.0f} tok/s, HF {theirs:.0f} tok/s, ratio {ours / theirs:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

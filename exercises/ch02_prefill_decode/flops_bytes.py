@@ -1,37 +1,14 @@
 """Exercise 2 — prefill and decode on the roofline: count the FLOPs and bytes of a Llama-family forward pass.
 
 Replace each `raise NotImplementedError(...)` with your code, then run `make grade CH=02`.
-Plain Python arithmetic is enough; do not import minillm.roofline (that is what you are rebuilding).
+Plain Python arithmetic is enough; use nothing else from minillm.roofline (that is what you are rebuilding).
 `config` is a `minillm.config.ModelConfig`; read its fields: vocab_size, hidden_size, intermediate_size,
 num_layers, num_heads, num_kv_heads, head_dim, qkv_bias.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class OpCost:
-    """FLOPs and bytes moved by one op of the forward pass; ops inside a block run `repeat` (= num_layers) times.
-
-    The numbers are for ONE run of the op (one layer); `repeat` says how many runs a forward pass makes.
-    (Given: nothing to write here.)
-    """
-
-    name: str
-    flops: float
-    weight_bytes: float  # parameters read
-    act_bytes: float     # activations read and written
-    kv_bytes: float = 0  # keys and values read from or written to the KV cache
-    repeat: int = 1
-
-    @property
-    def bytes(self) -> float:
-        return self.weight_bytes + self.act_bytes + self.kv_bytes
-
-    @property
-    def intensity(self) -> float:
-        return self.flops / self.bytes
+from minillm.roofline import OpCost  # given: the record of one op's FLOPs and bytes (read its docstring)
 
 
 def forward_costs(config, query_lens: Sequence[int], context_lens: Sequence[int], dtype_bytes: float = 2,

@@ -36,6 +36,16 @@ class AttentionMetadata:
         self.decode = _Part(self.block_tables[p:], self.context_lens[p:], self.query_lens[p:]) if rest else None
 
 
+def _decode_gather(part: "_Part", block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Cache slots of every context token of each decoding sequence, `[seqs, longest]`, and the padding mask."""
+    longest = max(part.context_lens_list)
+    positions = torch.arange(longest, device=part.block_tables.device)
+    slots = part.block_tables[:, positions // block_size] * block_size + positions % block_size
+    if len(part.query_lens) == 1:
+        return slots, None  # a lone sequence needs no padding mask
+    return slots, (positions[None, :] < part.context_lens[:, None])[:, None, None, :]
+
+
 @dataclass
 class _Part:
     """The prefill or the decode sequences of a step."""
@@ -51,6 +61,8 @@ class _Part:
         self.cu_seqlens_q = F.pad(torch.tensor(self.query_lens, device=device).cumsum(0), (1, 0)).int()
         self.cu_seqlens_k = F.pad(self.context_lens.cumsum(0), (1, 0)).int()
         self.max_seqlen_k = max(self.context_lens_list)
+        self.gather_slots: torch.Tensor | None = None  # filled by decode_attention
+        self.mask: torch.Tensor | None = None
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -103,18 +115,19 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: _Part, scale: float) -> torch.Tensor:
-    """One new token per sequence, `q: [num_seqs, heads, head_dim]`, attending to its whole cached context."""
-    if q.shape[0] == 1:  # a lone sequence needs no padding mask
-        ctx = meta.context_lens_list[0]
-        k = gather_kv(k_cache, meta.block_tables[0], ctx).transpose(0, 1)[None]
-        v = gather_kv(v_cache, meta.block_tables[0], ctx).transpose(0, 1)[None]
-        mask = None
-    else:
-        k = gather_blocks(k_cache, meta.block_tables).flatten(1, 2).transpose(1, 2)  # [seqs, kv_heads, padded_len, dim]
-        v = gather_blocks(v_cache, meta.block_tables).flatten(1, 2).transpose(1, 2)
-        positions = torch.arange(k.shape[2], device=q.device)
-        mask = (positions[None, :] < meta.context_lens[:, None])[:, None, None, :]
-    o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    """One new token per sequence, `q: [num_seqs, heads, head_dim]`, attending to its whole cached context.
+
+    The slots to read are worked out at the first layer and kept on the step's metadata for the others, so
+    each layer's gather is one `index_select` of exactly the context rows.
+    """
+    if meta.gather_slots is None:
+        meta.gather_slots, meta.mask = _decode_gather(meta, k_cache.shape[1])
+    seqs, longest = meta.gather_slots.shape
+    index = meta.gather_slots.view(-1)
+    k = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, index).view(seqs, longest, *k_cache.shape[2:])
+    v = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, index).view(seqs, longest, *v_cache.shape[2:])
+    o = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), attn_mask=meta.mask,
+                                       scale=scale, enable_gqa=True)
     return o[:, :, 0, :]
 
 
@@ -125,6 +138,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     p = meta.num_prefill_tokens
     prefill, decode = (triton_prefill_attention, triton_decode_attention) if meta.use_triton else \
         (prefill_attention, decode_attention)
+    if meta.prefill is None:  # a decode-only step, the common case
+        return decode(q, k_cache, v_cache, meta.decode, scale)
     parts = []
     if meta.prefill is not None:
         parts.append(prefill(q[:p], k[:p], v[:p], k_cache, v_cache, meta.prefill, scale))

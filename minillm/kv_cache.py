@@ -121,9 +121,12 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def __post_init__(self) -> None:
+        self._layers = list(zip(self.k.unbind(0), self.v.unbind(0)))  # views, made once rather than every step
+
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V pools of layer i, `[num_blocks, block_size, num_kv_heads, head_dim]` each."""
-        return self.k[i], self.v[i]
+        return self._layers[i]
 
 
 def blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:

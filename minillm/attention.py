@@ -8,6 +8,7 @@ sequence's block table, so the same code serves one request or a continuously ba
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -55,14 +56,20 @@ class _Part:
     query_lens: list[int]
 
     def __post_init__(self) -> None:
-        """Lengths as Python ints and the packed offsets the Triton kernels read, once per step, not per layer."""
-        self.context_lens_list = self.context_lens.tolist()
-        device = self.context_lens.device
-        self.cu_seqlens_q = F.pad(torch.tensor(self.query_lens, device=device).cumsum(0), (1, 0)).int()
-        self.cu_seqlens_k = F.pad(self.context_lens.cumsum(0), (1, 0)).int()
+        self.context_lens_list = self.context_lens.tolist()  # as Python ints, once per step rather than per layer
         self.max_seqlen_k = max(self.context_lens_list)
         self.gather_slots: torch.Tensor | None = None  # filled by decode_attention
         self.mask: torch.Tensor | None = None
+
+    @cached_property
+    def cu_seqlens_q(self) -> torch.Tensor:
+        """Packed query offsets for the Triton kernels (int32), built by the first layer that needs them."""
+        return F.pad(torch.tensor(self.query_lens, device=self.context_lens.device).cumsum(0), (1, 0)).int()
+
+    @cached_property
+    def cu_seqlens_k(self) -> torch.Tensor:
+        """Packed key offsets for the Triton kernels (int32), built by the first layer that needs them."""
+        return F.pad(self.context_lens.cumsum(0), (1, 0)).int()
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -53,10 +53,6 @@ class ModelRunner:
         """Every uncomputed token of each sequence (whole prompts)."""
         return self.prepare(seqs, [s.num_uncomputed_tokens for s in seqs])[:3]
 
-    def prepare_decode(self, seqs: list[Sequence]):
-        """Each sequence's last token, whose K/V is not cached yet."""
-        return self.prepare(seqs, [1] * len(seqs))[:3]
-
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate shared blocks (all layers) before a sequence writes into its own copy."""
         for src, dst in copies:

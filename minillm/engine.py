@@ -10,6 +10,7 @@ import torch
 
 from .block_manager import BlockManager
 from .config import ModelConfig
+from .detokenizer import detokenize_incrementally
 from .kv_cache import KVCache, blocks_for_budget
 from .metrics import RequestMetrics
 from .model import load_model
@@ -153,19 +154,27 @@ class LLMEngine:
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        """Update the detokenized text and say whether the sequence is done ("stop", "length") or not (None)."""
+        """Extend the detokenized text and say whether the sequence is done ("stop", "length") or not (None)."""
         params = seq.params
-        seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        self._detokenize(seq)
         if params.stop:
             hits = [i for i in (seq.text.find(s) for s in params.stop) if i >= 0]
             if hits:
                 seq.text = seq.text[:min(hits)]
                 return "stop"
+        reason = None
         if token in self.eos_token_ids and not params.ignore_eos:
-            return "stop"
-        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+            reason = "stop"
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self._detokenize(seq, final=True)  # a character cut off by the end is shown, as a full decode would
+        return reason
+
+    def _detokenize(self, seq: Sequence, final: bool = False) -> None:
+        delta, seq.prefix_offset, seq.read_offset = detokenize_incrementally(
+            self.tokenizer, seq.output_token_ids, seq.prefix_offset, seq.read_offset, final)
+        seq.text += delta
 
     def _output(self, seq: Sequence) -> RequestOutput:
         completion = CompletionOutput(0, seq.text, list(seq.output_token_ids), seq.finish_reason)

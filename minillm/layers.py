@@ -6,6 +6,7 @@ parallelism) change one function rather than the model.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -15,9 +16,27 @@ from torch import nn
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight, computed in float32 like the reference implementation."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:  # one fused op, same arithmetic
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    xf = x.float()
+    normed = xf * _inverse_rms(xf, eps) if xf.is_cpu else F.rms_norm(xf, (xf.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)
+
+
+def _inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / sqrt(mean(x^2) + eps) over the last dimension of a float32 CPU tensor, `[..., 1]`.
+
+    The mean is a matrix-vector product with a column of 1/d, plus eps, in one BLAS call: each of torch's CPU
+    reduction kernels spends microseconds setting up, most of a norm's time at batch 1 (chapter 2 measures it).
+    """
+    column, eps_tensor = _mean_column(x.shape[-1], eps)
+    flat = x.reshape(-1, x.shape[-1])
+    return torch.addmm(eps_tensor, flat * flat, column).rsqrt_().view(*x.shape[:-1], 1)
+
+
+@functools.cache
+def _mean_column(d: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The constants `_inverse_rms` multiplies by and adds: a `[d, 1]` column of 1/d, and eps as a tensor."""
+    with torch.inference_mode(False):  # usable inside and outside inference mode
+        return torch.full((d, 1), 1.0 / d), torch.tensor([eps])
 
 
 class RMSNorm(nn.Module):
@@ -63,12 +82,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate x [tokens, heads, head_dim] by its positions' angles (half-split layout, as in HF Llama).
 
     cos and sin are `[tokens, head_dim]`, or already `[tokens, 1, head_dim]` to broadcast over heads.
+    The result is x * cos + cat(-x2, x1) * sin, with x1, x2 the two halves of each head.
     """
     if cos.dim() == x.dim() - 1:
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
+    return rotate(x, cos, signed_sin(sin))
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated, so that `rotate` needs no negation of its own."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """RoPE in three operations: cat(-x2, x1) * sin equals x rolled by half a head times the signed sin."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
 class RotaryEmbedding(nn.Module):
@@ -78,7 +107,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.theta, self.max_positions, self.scaling = head_dim, theta, max_positions, scaling
         self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
-        self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+        self.register_buffer("sin_signed", torch.empty(max_positions, head_dim), persistent=False)
         self.build_tables()
 
     def build_tables(self) -> None:
@@ -86,15 +115,18 @@ class RotaryEmbedding(nn.Module):
         if self.cos.is_meta:
             return
         cos, sin = rope_cos_sin(rope_inv_freq(self.head_dim, self.theta, self.scaling), self.max_positions)
-        self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
+        self.cos, self.sin_signed = cos.to(self.cos.device), signed_sin(sin).to(self.sin_signed.device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The angles of the given positions, `[tokens, 1, head_dim]`, looked up once per step for every layer."""
-        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
+        """cos and signed sin (see `rotate`) of the given positions, `[tokens, 1, head_dim]`.
+
+        Looked up once per step and shared by every layer.
+        """
+        return self.cos[positions, None].to(dtype), self.sin_signed[positions, None].to(dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions, q.dtype)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cos, sin_signed = self.cos_sin(positions, q.dtype)
+        return rotate(q, cos, sin_signed), rotate(k, cos, sin_signed)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -64,13 +64,12 @@ class ModelRunner:
         self.copy_blocks(step.block_copies)
         ids, positions, meta, seqs = self.prepare(step.seqs, step.num_new_tokens)
         done = [s.num_cached_tokens + n == s.num_tokens for s, n in zip(seqs, meta.query_lens)]
-        last = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
         sampled = [s for s, d in zip(seqs, done) if d]
-        tokens = []
-        if sampled:  # chunks in the middle of a prompt need no logits
-            logits = self.model(ids, positions, self.kv_cache, meta, last[torch.tensor(done, device=self.device)])
-            tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
-        else:
-            self.model(ids, positions, self.kv_cache, meta, last[:0])
+        indices = None  # the model's default: every sequence's last new token
+        if not all(done):  # chunks in the middle of a prompt need no logits
+            last = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
+            indices = last[torch.tensor(done, device=self.device)]
+        logits = self.model(ids, positions, self.kv_cache, meta, indices)
+        tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled]) if sampled else []
         it = iter(tokens)
         return [(s, next(it) if d else None) for s, d in zip(seqs, done)]

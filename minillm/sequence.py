@@ -33,6 +33,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     text: str = ""
+    prefix_offset: int = 0  # detokenizer window over output_token_ids (see detokenizer.py)
+    read_offset: int = 0
     generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:

@@ -125,17 +125,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """One new token per sequence, `q: [num_seqs, heads, head_dim]`, attending to its whole cached context.
 
     The slots to read are worked out at the first layer and kept on the step's metadata for the others, so
-    each layer's gather is one `index_select` of exactly the context rows.
+    each layer's gather is one `index_select` of exactly the context rows. The query heads that share a KV
+    head go in as that head's rows of queries (`[seqs, kv_heads, group, head_dim]`): one attention per KV
+    head over its keys, with no grouped-query expansion.
     """
     if meta.gather_slots is None:
         meta.gather_slots, meta.mask = _decode_gather(meta, k_cache.shape[1])
     seqs, longest = meta.gather_slots.shape
+    kv_heads, head_dim = k_cache.shape[2:]
     index = meta.gather_slots.view(-1)
-    k = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, index).view(seqs, longest, *k_cache.shape[2:])
-    v = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, index).view(seqs, longest, *v_cache.shape[2:])
-    o = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), attn_mask=meta.mask,
-                                       scale=scale, enable_gqa=True)
-    return o[:, :, 0, :]
+    k = k_cache.view(-1, kv_heads, head_dim).index_select(0, index).view(seqs, longest, kv_heads, head_dim)
+    v = v_cache.view(-1, kv_heads, head_dim).index_select(0, index).view(seqs, longest, kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(q.view(seqs, kv_heads, -1, head_dim), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=meta.mask, scale=scale)
+    return o.reshape(q.shape)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -23,6 +23,8 @@ def detokenize_incrementally(tokenizer, token_ids: list[int], prefix_offset: int
         return "", prefix_offset, read_offset
     old = tokenizer.decode(token_ids[prefix_offset:read_offset], skip_special_tokens=True)
     new = tokenizer.decode(token_ids[prefix_offset:], skip_special_tokens=True)
-    if not final and (len(new) <= len(old) or new.endswith(REPLACEMENT)):
-        return "", prefix_offset, read_offset  # only special tokens, or a character still incomplete
+    if not final and (len(new) < len(old) or new.endswith(REPLACEMENT)):
+        return "", prefix_offset, read_offset  # a character still incomplete: wait for its last byte
+    if len(new) == len(old):  # only skipped special tokens: keep the window's text tokens as context
+        return "", prefix_offset, len(token_ids)
     return new[len(old):], read_offset, len(token_ids)

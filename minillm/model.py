@@ -17,6 +17,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
+from .host_memory import huge_page_empty, use_huge_pages
 from .layers import RMSNorm, RotaryEmbedding, make_linear, rotate, silu_and_mul
 
 
@@ -128,6 +129,8 @@ def load_model(path, config: ModelConfig, dtype: torch.dtype, device: torch.devi
     with torch.device("meta"):  # no time spent on random init of weights about to be overwritten
         model = CausalLM(config).to(dtype)
     model = model.to_empty(device=device)
+    if device.type == "cpu" and use_huge_pages():
+        _move_to_huge_pages(model)
     model.rotary.build_tables()  # buffers, not weights: computed rather than loaded
     if load_format == "dummy":
         _init_dummy(model, seed)
@@ -138,6 +141,16 @@ def load_model(path, config: ModelConfig, dtype: torch.dtype, device: torch.devi
     else:
         raise ValueError(f"load_format {load_format!r} is not supported; use 'auto' or 'dummy'")
     return model.eval()
+
+
+def _move_to_huge_pages(model: nn.Module) -> None:
+    """Give every (still unfilled) parameter a slice of one huge-page-backed block (see host_memory.py)."""
+    params = list(model.parameters())
+    block = huge_page_empty(sum(p.numel() for p in params), params[0].dtype)
+    offset = 0
+    for p in params:
+        p.data = block[offset:offset + p.numel()].view(p.shape)
+        offset += p.numel()
 
 
 def _init_dummy(model: CausalLM, seed: int) -> None:

@@ -67,6 +67,16 @@ def test_incremental_text_equals_full_decode(name, tokenizer):
         assert all(full.startswith(text) for text in seen), (name, ids)  # streamed text is never taken back
 
 
+def test_window_stays_short():
+    """Each step decodes the last emitted tokens and the new one, not the whole output."""
+    tokenizer = sentencepiece_like()
+    ids = tokenizer(TEXTS[0] * 3, add_special_tokens=False).input_ids
+    prefix = read = 0
+    for n in range(1, len(ids) + 1):
+        _, prefix, read = detokenize_incrementally(tokenizer, ids[:n], prefix, read)
+        assert n - prefix <= 2
+
+
 def test_character_split_across_tokens_is_held_back():
     """Byte-fallback tokens of one multi-byte character: nothing is emitted until its last byte arrives."""
     tokenizer = sentencepiece_like()

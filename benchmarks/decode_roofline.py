@@ -7,6 +7,8 @@ Decode speeds are 1 / median time per token (prefill excluded). Every round meas
 engine step is followed by one bare step, so a noisy neighbour slows both alike; ratios are paired medians.
 
     .venv/bin/python -m benchmarks.decode_roofline [--rounds 5] [--tokens 32] [--threads 1] [--profile]
+
+With `MINILLM_HUGE_PAGES=0` in the environment the weights stay in 4 KiB pages (chapter 2 explains the difference).
 """
 
 from __future__ import annotations

@@ -25,32 +25,10 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minillm import LLM, SamplingParams
-from minillm.roofline import matvec_step, measure_bandwidth, time_median
+from minillm.roofline import engine_and_bare, matvec_step, measure_bandwidth, time_median
 
 PROMPT = "Explain in a few sentences why generating text one token at a time is limited by memory bandwidth."
 TARGET = 0.85  # the engine should reach this share of the attainable ceiling (b)
-
-
-def engine_and_bare(llm: LLM, prompt_ids: list[int], tokens: int, bare) -> tuple[list[float], list[float]]:
-    """Seconds of each batch-1 decode step of the engine (`LLMEngine.step`, the loop `generate` runs), each
-    followed at once by one bare matvec step, so both see the same machine (a neighbour's load, clocks)."""
-    engine, sync = llm.engine, _sync(llm.engine.device)
-    engine.add_request(None, prompt_ids, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
-    engine.step()  # prefill
-    engine_times, bare_times = [], []
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        engine.step()  # samples with .tolist(): the step has finished on the device when it returns
-        middle = time.perf_counter()
-        bare()
-        sync()
-        engine_times.append(middle - start)
-        bare_times.append(time.perf_counter() - middle)
-    return engine_times, bare_times
-
-
-def _sync(device: torch.device):
-    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
 class TimingStreamer:
@@ -121,11 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # the tied head counted once
     step = matvec_step(model)
 
-    hf_gaps(hf, prompt_ids, 8, device), engine_and_bare(llm, prompt_ids, 8, step)  # warm-up
+    hf_gaps(hf, prompt_ids, 8, device), engine_and_bare(engine, prompt_ids, 8, step)  # warm-up
     rounds = []
     for _ in range(args.rounds):
         copy, triad = (measure_bandwidth(kind, device=device, repeats=5) for kind in ("copy", "triad"))
-        engine_times, bare_times = engine_and_bare(llm, prompt_ids, args.tokens, step)
+        engine_times, bare_times = engine_and_bare(engine, prompt_ids, args.tokens, step)
         hf_times = hf_gaps(hf, prompt_ids, args.tokens, device)
         rounds.append({"copy": copy, "triad": triad, "engine": engine_times, "bare": bare_times, "hf": hf_times})
 

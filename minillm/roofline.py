@@ -206,6 +206,27 @@ def matvec_step(model, batch: int = 1) -> Callable[[], None]:
     return step
 
 
+def engine_and_bare(engine, prompt_ids: list[int], tokens: int, bare: Callable[[], None]
+                    ) -> tuple[list[float], list[float]]:
+    """Seconds of each batch-1 decode step of `engine` (an `LLMEngine`) over `tokens` new tokens, each step
+    followed at once by one call of `bare` (e.g. `matvec_step`), so both see the same machine (load, clocks)."""
+    from .sampling import SamplingParams
+
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    engine.add_request(None, prompt_ids, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
+    engine.step()  # prefill
+    engine_times, bare_times = [], []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()  # samples with .tolist(): the step has finished on the device when it returns
+        middle = time.perf_counter()
+        bare()
+        sync()
+        engine_times.append(middle - start)
+        bare_times.append(time.perf_counter() - middle)
+    return engine_times, bare_times
+
+
 # ---- memory budget ----------------------------------------------------------------------------------------
 
 

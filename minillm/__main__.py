@@ -7,22 +7,18 @@ import sys
 import time
 
 from .llm import LLM
-from .sampling import SamplingParams
+from .sampling import RequestOutputKind, SamplingParams
 
 
 def generate(args: argparse.Namespace) -> None:
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed)
+                            max_tokens=args.max_tokens, seed=args.seed, output_kind=RequestOutputKind.DELTA)
     prompt = args.prompt if args.raw else llm.apply_chat_template([{"role": "user", "content": args.prompt}])
-    printed, out = 0, None
+    out = None
     for out in llm.stream(prompt, params):
-        text = out.outputs[0].text
-        if not out.finished and text.endswith("\ufffd"):
-            continue  # half of a multi-byte character: wait for the rest
-        sys.stdout.write(text[printed:])
+        sys.stdout.write(out.outputs[0].text)  # only the new text; a half character is held back until whole
         sys.stdout.flush()
-        printed = len(text)
     m = out.metrics
     n = m.output_tokens
     decode = (m.finished_time - m.first_token_time) / max(n - 1, 1)

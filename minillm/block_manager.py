@@ -4,10 +4,15 @@ Each physical block has a reference count. A block whose tokens are all computed
 (hash of the previous block's hash and its own tokens), so a later request whose prompt starts with the
 same tokens reuses it instead of recomputing (prefix caching). A freed block keeps its hash and contents
 until the free list hands it out again, so a finished request's prefix stays reusable for a while.
+
+The hash is SHA-256, as in vLLM: with Python's `hash()` one tenant could craft a prompt whose blocks
+collide with another tenant's and be served their keys and values.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -18,13 +23,13 @@ from .sequence import Sequence
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
+    hash: bytes | None = None
     token_ids: tuple[int, ...] = ()
 
 
-def block_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Chained hash: equal hashes mean equal tokens in this block and in every block before it."""
-    return hash((prev_hash, token_ids))
+def block_hash(prev_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """Chained SHA-256: equal hashes mean equal tokens in this block and in every block before it."""
+    return hashlib.sha256((prev_hash or b"") + array("q", token_ids).tobytes()).digest()
 
 
 class BlockManager:
@@ -35,7 +40,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # least recently freed first
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.hit_tokens = self.query_tokens = 0
 
     @property
@@ -54,9 +59,12 @@ class BlockManager:
         return block_id
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
-        """Ids of cached blocks holding the sequence's leading full blocks, in order."""
+        """Ids of cached blocks holding the sequence's leading full blocks, in order.
+
+        A request that asks for its prompt's log-probs computes every prompt position, so it takes no hits.
+        """
         hits, prev = [], None
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return hits
         tokens = seq.token_ids
         for i in range(len(tokens) // self.block_size):

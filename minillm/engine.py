@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from .block_manager import BlockManager
 from .config import ModelConfig
-from .detokenizer import detokenize_incrementally
 from .kv_cache import KVCache, blocks_for_budget
 from .metrics import RequestMetrics
 from .model import load_model
-from .model_runner import ModelRunner
-from .outputs import CompletionOutput, RequestOutput
+from .model_runner import ModelRunner, SeqResult
+from .output_processor import OutputProcessor, RequestState
+from .outputs import RequestOutput
 from .sampling import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
 from .weights import check_architecture, resolve_model
 
@@ -61,8 +63,16 @@ class LLMEngine:
         self.eos_token_ids = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self._sequences: dict[str, Sequence] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        # Requests can be added and aborted from any thread; `step` runs in one thread at a time and takes
+        # new requests and aborts between forward passes, so the scheduler is only touched inside a step.
+        self._lock = threading.Lock()  # guards the next four
+        self._requests: dict[str, RequestState] = {}  # unfinished requests by id
+        self._inbox: list[Sequence] = []  # added since the last step
+        self._aborts: list[str] = []  # aborted since the last step
         self._ids = itertools.count()
+        self._step_lock = threading.Lock()
+        self._ready: list[RequestOutput] = []  # final outputs of aborts applied between steps
 
     def _kv_budget(self) -> int:
         if self.device.type != "cuda":
@@ -91,95 +101,146 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> str:
-        """Queue a request; it starts running on a later `step`. Returns its id."""
+        """Queue a request; it starts running on a later `step`. Returns its id. Safe from any thread.
+
+        An automatic id (`request_id=None`) is never one already in use; a given id in use is a ValueError.
+        """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self.tokenize(prompt)
         self.validate(token_ids)
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self._sequences:
-            raise ValueError(f"request id {request_id!r} is already in use")
         metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
                                  prompt_tokens=len(token_ids))
-        seq = Sequence(request_id, text, token_ids, params, metrics)
-        self._sequences[request_id] = seq
-        self.scheduler.add(seq)
+        with self._lock:
+            if request_id is None:
+                while (request_id := str(next(self._ids))) in self._requests:
+                    pass
+            request_id = str(request_id)
+            if request_id in self._requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            seqs = self._sequences_for(request_id, text, token_ids, params, metrics)
+            self._requests[request_id] = self.output_processor.add_request(
+                request_id, text, token_ids, params, metrics, seqs)
+            self._inbox += seqs
         return request_id
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request wherever it is; its KV blocks are freed at once."""
-        seq = self._sequences.pop(str(request_id), None)
-        if seq is not None and not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
-            seq.metrics.finished_time = time.perf_counter()
+    def _sequences_for(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
+                       metrics: RequestMetrics) -> list[Sequence]:
+        """One sequence per completion. The n > 1 siblings draw from seeds seed + i, and share the prompt's
+        blocks through the prefix cache (the first computes the prompt and its log-probs; the rest wait)."""
+        if params.n == 1:
+            return [Sequence(request_id, text, token_ids, params, metrics)]
+        seqs: list[Sequence] = []
+        for i in range(params.n):
+            child = replace(params, n=1, seed=None if params.seed is None else (params.seed + i) % 2 ** 64,
+                            prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+            leader = seqs[0] if seqs and self.block_manager.enable_prefix_caching else None
+            seqs.append(Sequence(f"{i}_{request_id}", text, token_ids, child, metrics, index=i, leader=leader))
+        return seqs
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is, with finish_reason "abort". Safe from any thread, also mid-step.
+
+        Between steps it is applied at once: the KV blocks are freed and its final output is returned.
+        While a step runs, that step applies it after its forward pass and returns the final output with
+        its own. An unknown or finished id is ignored (None).
+        """
+        request_id = str(request_id)
+        with self._lock:
+            self._aborts.append(request_id)
+        if not self._step_lock.acquire(blocking=False):
+            return None
+        try:
+            outputs = self._apply_aborts()
+            self._ready += [o for o in outputs if o.request_id != request_id]  # other threads' aborts
+        finally:
+            self._step_lock.release()
+        return next((o for o in outputs if o.request_id == request_id), None)
+
+    def _admit(self) -> None:
+        """Hand requests added since the last step to the scheduler."""
+        with self._lock:
+            seqs, self._inbox = self._inbox, []
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _apply_aborts(self) -> list[RequestOutput]:
+        """Finish every request aborted since the last call; their final outputs."""
+        self._admit()
+        with self._lock:
+            ids, self._aborts = self._aborts, []
+            states = [state for i in ids if (state := self._requests.pop(i, None)) is not None]
+        now = time.perf_counter()
+        for state in states:
+            for seq in state.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "abort")
+                    self.output_processor.on_abort(seq)
+            state.metrics.finished_time = now
+        return [out for state in states if (out := self.output_processor.output(state)) is not None]
 
     def next_token_logits(self, prompt: str | list[int]) -> torch.Tensor:
         """The model's scores for the token after `prompt` (float32, `[vocab]`), with no request left behind."""
         text, token_ids = self.tokenize(prompt)
         self.validate(token_ids)
         seq = Sequence("logits", text, token_ids, SamplingParams(), RequestMetrics(time.perf_counter()))
-        if not self.block_manager.allocate(seq):
-            raise ValueError("the KV cache is busy: no free blocks for this prompt right now")
-        try:
-            ids, positions, meta = self.runner.prepare_prefill([seq])
-            return self.model.prefill(ids, positions, self.kv_cache, meta)[0].float()
-        finally:
-            self.block_manager.free(seq)
+        with self._step_lock:
+            if not self.block_manager.allocate(seq):
+                raise ValueError("the KV cache is busy: no free blocks for this prompt right now")
+            try:
+                ids, positions, meta = self.runner.prepare_prefill([seq])
+                return self.model.prefill(ids, positions, self.kv_cache, meta)[0].float()
+            finally:
+                self.block_manager.free(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether a request is queued or running, or a final output (of an abort) is still to be returned."""
+        return bool(self._requests or self._ready)
+
+    def num_waiting_seqs(self) -> int:
+        """Sequences not yet running: added since the last step, or waiting in the scheduler."""
+        return len(self._inbox) + len(self.scheduler.waiting)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled forward pass; return the state of every request that got a new token."""
-        scheduled = self.scheduler.schedule()
-        if not scheduled.seqs:
-            return []
-        results = self.runner.run(scheduled)
+        """Run one scheduled forward pass; return the outputs of every request that has something new."""
+        with self._step_lock:
+            outputs, self._ready = self._ready + self._apply_aborts(), []
+            scheduled = self.scheduler.schedule()
+            if scheduled.seqs:
+                results = self.runner.run(scheduled)
+                outputs += self._apply_aborts()  # aborted while the forward pass ran: their tokens are dropped
+                outputs += self._update(scheduled, results)
+        return outputs
+
+    def _update(self, scheduled: SchedulerOutput, results: list[SeqResult]) -> list[RequestOutput]:
+        """Commit the step's K/V, append the new tokens, finish what is done; the outputs to report."""
         now = time.perf_counter()
-        outputs = []
         for seq, n in zip(scheduled.seqs, scheduled.num_new_tokens):
-            seq.num_cached_tokens += n
-            self.block_manager.commit(seq)
-        for seq, token in results:
+            if not seq.is_finished:
+                seq.num_cached_tokens += n
+                self.block_manager.commit(seq)
+        touched: dict[str, RequestState] = {}
+        for seq, token, logprobs, prompt_logprobs in results:
+            if seq.is_finished:
+                continue
+            if prompt_logprobs:
+                self.output_processor.add_prompt_logprobs(seq, prompt_logprobs)
+                seq.num_prompt_logprobs += len(prompt_logprobs)
             if token is None:
                 continue  # a prompt chunk: no token yet
             seq.output_token_ids.append(token)
             seq.metrics.record_token(now)
-            reason = self._finish_reason(seq, token)
+            reason = self.output_processor.on_token(seq, token, logprobs)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-                seq.metrics.finished_time = now
-                self._sequences.pop(seq.request_id, None)
-            outputs.append(self._output(seq))
-        return outputs
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        """Extend the detokenized text and say whether the sequence is done ("stop", "length") or not (None)."""
-        params = seq.params
-        self._detokenize(seq)
-        if params.stop:
-            hits = [i for i in (seq.text.find(s) for s in params.stop) if i >= 0]
-            if hits:
-                seq.text = seq.text[:min(hits)]
-                return "stop"
-        reason = None
-        if token in self.eos_token_ids and not params.ignore_eos:
-            reason = "stop"
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason is not None:
-            self._detokenize(seq, final=True)  # a character cut off by the end is shown, as a full decode would
-        return reason
-
-    def _detokenize(self, seq: Sequence, final: bool = False) -> None:
-        delta, seq.prefix_offset, seq.read_offset = detokenize_incrementally(
-            self.tokenizer, seq.output_token_ids, seq.prefix_offset, seq.read_offset, final)
-        seq.text += delta
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        completion = CompletionOutput(0, seq.text, list(seq.output_token_ids), seq.finish_reason)
-        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids), [completion],
-                             seq.is_finished, seq.metrics)
+            state = seq.completion.request
+            touched[state.request_id] = state
+        for state in touched.values():
+            if state.finished:
+                state.metrics.finished_time = now
+                with self._lock:
+                    del self._requests[state.request_id]
+        return [out for state in touched.values() if (out := self.output_processor.output(state)) is not None]
 
     def stats(self) -> dict:
         """KV pool occupancy and scheduler counters."""
@@ -188,7 +249,7 @@ class LLMEngine:
             "kv_blocks_free": self.block_manager.num_free_blocks,
             "block_size": self.block_manager.block_size,
             "kv_cache_bytes": self.kv_cache.nbytes,
-            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting": self.num_waiting_seqs(),
             "num_running": len(self.scheduler.running),
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_hit_tokens": self.block_manager.hit_tokens,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence as Seq
+from dataclasses import replace
 
 from tqdm.auto import tqdm
 
 from .engine import LLMEngine
 from .outputs import RequestOutput
-from .sampling import SamplingParams
+from .sampling import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -19,6 +20,8 @@ class LLM:
                  enable_prefix_caching: bool = True):
         self.engine = LLMEngine(model, device, dtype, load_format, block_size, num_kv_blocks, max_num_seqs,
                                 max_num_batched_tokens, enable_prefix_caching)
+        self._pending: dict[str, list[RequestOutput]] = {}  # outputs stepped out for another reader
+        self._abandoned: set[str] = set()  # aborted by a reader that left; their last output is dropped
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -26,7 +29,7 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
-    def _add_all(self, prompts, sampling_params) -> list[str]:
+    def _add_all(self, prompts, sampling_params, kind: RequestOutputKind | None = None) -> list[str]:
         """Validate every prompt and parameter set first, so a bad one leaves nothing queued."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -41,31 +44,66 @@ class LLM:
                 self.engine.validate(self.engine.tokenize(prompt)[1])
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
+        if kind is not None:
+            params = [replace(p, output_kind=kind) for p in params]
         return [self.engine.add_request(None, prompt, p) for prompt, p in zip(prompts, params)]
+
+    def _outputs(self, ids: list[str]) -> Iterator[RequestOutput]:
+        """Step the engine until the requests `ids` finish, yielding their outputs in order.
+
+        Outputs of the engine's other requests (another `stream` still open, say) are kept for their
+        readers, never dropped; if the caller stops early, its unfinished requests are aborted.
+        """
+        live = set(ids)
+        try:
+            while live:
+                mine = [out for rid in ids if rid in live for out in self._pending.pop(rid, ())]
+                if not mine:
+                    if not self.engine.has_unfinished_requests():
+                        raise RuntimeError(f"requests {sorted(live)} are not in the engine")
+                    for out in self.engine.step():
+                        if out.request_id in live:
+                            mine.append(out)
+                        elif out.request_id in self._abandoned:
+                            if out.finished:
+                                self._abandoned.discard(out.request_id)
+                        else:
+                            self._pending.setdefault(out.request_id, []).append(out)
+                for out in mine:
+                    if out.finished:
+                        live.discard(out.request_id)
+                    yield out
+        finally:
+            for rid in live:
+                self._pending.pop(rid, None)
+                if self.engine.abort(rid) is None:
+                    self._abandoned.add(rid)  # a step elsewhere will return its final output: drop it
+
+    def take_outputs(self, request_id: str) -> list[RequestOutput]:
+        """Outputs of a request added through `llm.engine` that this LLM's own steps returned meanwhile."""
+        return self._pending.pop(request_id, [])
 
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run all prompts to completion (together, as the scheduler sees fit); outputs in prompt order."""
-        ids = self._add_all(prompts, sampling_params)
+        """Run all prompts to completion (together, as the scheduler sees fit); outputs in prompt order.
+
+        Returns when these requests finish, whatever else the engine is running.
+        """
+        ids = self._add_all(prompts, sampling_params, RequestOutputKind.FINAL_ONLY)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-                        bar.update(1)
+            for out in self._outputs(ids):
+                if out.finished:
+                    finished[out.request_id] = out
+                    bar.update(1)
         return [finished[i] for i in ids]
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield the request's state after every new token, for printing text as it is produced."""
-        (request_id,) = self._add_all([prompt], sampling_params)
-        try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.request_id == request_id:
-                        yield out
-        finally:
-            self.engine.abort(request_id)
+        """Yield the request's outputs as they come (cumulative or deltas, as `output_kind` says).
+
+        Closing the generator early aborts the request.
+        """
+        yield from self._outputs(self._add_all([prompt], sampling_params))
 
     def apply_chat_template(self, messages) -> list[int]:
         """Token ids of a conversation (list of {"role", "content"} dicts) ready for the assistant's reply."""

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .attention import AttentionMetadata
 from .kernels import use_triton
 from .kv_cache import KVCache
 from .model import CausalLM
-from .sampling import sample
+from .sampling import TokenLogprobs, logprobs_of, sample
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 
@@ -59,17 +61,64 @@ class ModelRunner:
             self.kv_cache.k[:, dst].copy_(self.kv_cache.k[:, src])
             self.kv_cache.v[:, dst].copy_(self.kv_cache.v[:, src])
 
-    def run(self, step: SchedulerOutput) -> list[tuple[Sequence, int | None]]:
-        """One forward pass; a next token for every sequence whose whole context is now computed, else None."""
+    def run(self, step: SchedulerOutput) -> list[SeqResult]:
+        """One forward pass; a next token for every sequence whose whole context is now computed.
+
+        Logits are taken only where needed: at each such sequence's last token, and at the prompt
+        positions of sequences that asked for their prompt's log-probs.
+        """
         self.copy_blocks(step.block_copies)
         ids, positions, meta, seqs = self.prepare(step.seqs, step.num_new_tokens)
         done = [s.num_cached_tokens + n == s.num_tokens for s, n in zip(seqs, meta.query_lens)]
-        sampled = [s for s, d in zip(seqs, done) if d]
+        scored = [s.prompt_logprob_positions(n) for s, n in zip(seqs, meta.query_lens)]
         indices = None  # the model's default: every sequence's last new token
-        if not all(done):  # chunks in the middle of a prompt need no logits
-            last = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
-            indices = last[torch.tensor(done, device=self.device)]
+        if not all(done) or any(scored):
+            rows, start = [], 0
+            for s, n, d, pos in zip(seqs, meta.query_lens, done, scored):
+                rows += [start + p - s.num_cached_tokens for p in pos] + ([start + n - 1] if d else [])
+                start += n
+            indices = torch.tensor(rows, dtype=torch.long, device=self.device)
         logits = self.model(ids, positions, self.kv_cache, meta, indices)
-        tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled]) if sampled else []
-        it = iter(tokens)
-        return [(s, next(it) if d else None) for s, d in zip(seqs, done)]
+        sample_rows, row = [], 0
+        for d, pos in zip(done, scored):
+            row += len(pos)
+            if d:
+                sample_rows.append(row)
+                row += 1
+        sampled = [s for s, d in zip(seqs, done) if d]
+        sample_logits = logits if len(sample_rows) == len(logits) else logits[sample_rows]
+        tokens = sample(sample_logits, [s.params for s in sampled], [s.generator for s in sampled]) if sampled else []
+        token_logprobs = self._token_logprobs(sample_logits, sampled, tokens)
+        results, row, it = [], 0, iter(zip(tokens, token_logprobs))
+        for s, d, pos in zip(seqs, done, scored):
+            prompt_lps = []
+            if pos:
+                targets = s.token_ids[pos.start + 1:pos.stop + 1]
+                prompt_lps = logprobs_of(logits[row:row + len(pos)], targets, s.params.prompt_logprobs)
+                row += len(pos)
+            token, lp = next(it) if d else (None, None)
+            row += d
+            results.append(SeqResult(s, token, lp, prompt_lps))
+        return results
+
+    @staticmethod
+    def _token_logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprobs | None]:
+        """Log-probs of each sampled token, for the sequences that asked for them (None for the others)."""
+        asked = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        out: list[TokenLogprobs | None] = [None] * len(seqs)
+        if asked:
+            k = max(seqs[i].params.logprobs for i in asked)
+            for i, lp in zip(asked, logprobs_of(logits[asked], [tokens[i] for i in asked], k)):
+                k_i = seqs[i].params.logprobs
+                lp.top_ids, lp.top_logprobs = lp.top_ids[:k_i], lp.top_logprobs[:k_i]
+                out[i] = lp
+        return out
+
+
+class SeqResult(NamedTuple):
+    """What one step produced for one sequence."""
+
+    seq: Sequence
+    token: int | None  # None for a prompt chunk that stops short of the prompt's end
+    logprobs: TokenLogprobs | None  # of `token`, when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprobs]  # of the prompt tokens this step scored (prompt_logprobs)

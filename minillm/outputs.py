@@ -2,24 +2,51 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .metrics import RequestMetrics
+
+# One position's log-probabilities: the token there and the top alternatives, by token id.
+PositionLogprobs = dict[int, "Logprob"]
+
+
+@dataclass
+class Logprob:
+    """A token's log-probability at one position, its rank there (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
 
 
 @dataclass
 class CompletionOutput:
-    """One generated continuation: its text, tokens and why it stopped ("stop", "length", or None if running)."""
+    """One generated continuation: its text, tokens and why it stopped.
+
+    `finish_reason` is "stop" (EOS or a stop string, which `stop_reason` then holds), "length", "abort",
+    or None while running. With `RequestOutputKind.DELTA` the text, tokens and log-probs are only the
+    new ones since the previous output.
+    """
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    stop_reason: str | None = None
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
 class RequestOutput:
-    """A request's prompt, completions so far, whether it finished, and its timing record."""
+    """A request's prompt, completions so far, whether it finished, and its timing record.
+
+    `prompt_logprobs`, when asked for, has one entry per prompt token, the first `None`.
+    """
 
     request_id: str
     prompt: str | None
@@ -27,3 +54,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: list[PositionLogprobs | None] | None = field(default=None)

@@ -1,16 +1,46 @@
-"""Sampling parameters and the sampler that turns next-token logits into tokens."""
+"""Sampling parameters, and the sampler that turns next-token logits into tokens and log-probabilities."""
 
 from __future__ import annotations
 
+import enum
+import math
 from dataclasses import dataclass
 
 import torch
 
+MAX_N = 128  # completions per request, OpenAI's bound
+MAX_LOGPROBS = 20  # top alternatives per position, OpenAI's bound for top_logprobs (and vLLM's default)
+SEED_RANGE = (-2 ** 63, 2 ** 64 - 1)  # what torch.Generator.manual_seed accepts
+
+
+class RequestOutputKind(enum.Enum):
+    """What each output of a request carries (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far: the whole text and every token
+    DELTA = 1  # only what is new since the previous output (for streaming)
+    FINAL_ONLY = 2  # nothing until the request finishes, then everything
+
+
+def _check_int(name: str, value, low: int, high: int | None = None, what: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be an integer {bound}{what}, got {value!r}")
+
+
+def _check_float(name: str, value, ok, bound: str) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or not ok(value):
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+
 
 @dataclass
 class SamplingParams:
-    """How to pick each next token and when to stop (vLLM's names and defaults, greedy by default)."""
+    """How to pick each next token, how many completions, what to report and when to stop.
 
+    vLLM's names and defaults (greedy by default). Every field is checked here, at the boundary, so a
+    bad value is a `ValueError` naming it rather than a failure inside a later engine step.
+    """
+
+    n: int = 1
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -18,22 +48,31 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     stop: str | list[str] | None = None
+    logprobs: int | None = None  # log-probs of each chosen token and of this many top alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token (after the first)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if not all(isinstance(s, str) and s for s in stops):
+        _check_int("n", self.n, 1, MAX_N)
+        _check_float("temperature", self.temperature, lambda t: t >= 0, ">= 0 (0 means greedy)")
+        _check_float("top_p", self.top_p, lambda p: 0 < p <= 1, "in (0, 1]")
+        _check_int("top_k", self.top_k, -1, what=" (0 or -1 disables it)")
+        _check_int("max_tokens", self.max_tokens, 1)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, *SEED_RANGE, what=" or None")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stops is None:
+            stops = []
+        if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         self.stop = list(stops)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS, what=" or None")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:
@@ -68,3 +107,29 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         probs = row.softmax(-1)
         tokens[i] = int(torch.multinomial(probs.cpu(), 1, generator=gen))
     return tokens
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities at one position: of the token that came next, and of the `k` most likely tokens."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 for the most likely token
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+def logprobs_of(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprobs]:
+    """Log-softmax of each row of `logits [rows, vocab]` at `token_ids[row]`, with its rank and the top `k`.
+
+    These are the model's own distribution, before temperature, top-k or top-p (vLLM's "raw_logprobs").
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(token_ids, device=logp.device)
+    chosen = logp.gather(1, ids[:, None])
+    ranks = (logp > chosen).sum(-1) + 1
+    top = torch.topk(logp, k, dim=-1) if k else None
+    chosen, ranks = chosen[:, 0].tolist(), ranks.tolist()
+    top_ids, top_lps = (top.indices.tolist(), top.values.tolist()) if top else ([[]] * len(token_ids),) * 2
+    return [TokenLogprobs(t, lp, r, i, v) for t, lp, r, i, v in zip(token_ids, chosen, ranks, top_ids, top_lps)]

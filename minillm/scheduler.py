@@ -2,7 +2,8 @@
 
 Every step spends a budget of `max_num_batched_tokens`. Running sequences go first (one token each when
 decoding, the next chunk of their prompt otherwise); whatever budget is left admits waiting requests,
-oldest first, as long as a small watermark of blocks stays free for the running ones to grow into. A
+oldest first, as long as a small watermark of blocks stays free for the running ones to grow into (the
+siblings of an n > 1 request wait until the first has computed the shared prompt). A
 finished sequence leaves at once and frees its blocks; when blocks run out anyway, the newest running
 sequence is preempted (its blocks freed, to be recomputed later).
 """
@@ -66,6 +67,8 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.waits_for_leader(bm.block_size):
+                break  # a sibling of an n > 1 request: next step its prompt blocks are in the cache
             if not bm.allocate(seq, reserve=self.watermark_blocks if self.running else 0):
                 break
             self.waiting.popleft()

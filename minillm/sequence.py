@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .metrics import RequestMetrics
 from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .output_processor import CompletionState
 
 
 class SequenceStatus(enum.Enum):
@@ -17,7 +21,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: compared by identity, as the scheduler's queues need
 class Sequence:
     """Prompt and output tokens of one request; `num_cached_tokens` of them already have K/V in the cache."""
 
@@ -28,14 +32,15 @@ class Sequence:
     metrics: RequestMetrics
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the computed full blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the computed full blocks
     num_cached_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
-    text: str = ""
-    prefix_offset: int = 0  # detokenizer window over output_token_ids (see detokenizer.py)
-    read_offset: int = 0
+    index: int = 0  # which of the request's n completions this sequence produces
+    leader: Sequence | None = None  # for a sibling of an n > 1 request: the sibling that computes the prompt
+    num_prompt_logprobs: int = 0  # prompt positions whose log-probs are recorded (asked for by prompt_logprobs)
     generator: torch.Generator | None = None
+    completion: CompletionState | None = None  # its text and log-probs as the caller sees them
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -57,3 +62,15 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    def prompt_logprob_positions(self, num_new_tokens: int) -> range:
+        """Positions among this step's new tokens whose logits score a prompt token not yet scored."""
+        start = max(self.num_cached_tokens, self.num_prompt_logprobs)
+        end = min(self.num_cached_tokens + num_new_tokens, len(self.prompt_token_ids) - 1)
+        return range(start, end) if self.params.prompt_logprobs is not None else range(0)
+
+    def waits_for_leader(self, block_size: int) -> bool:
+        """A sibling starts once its leader's full prompt blocks are computed, so it finds them in the cache."""
+        lead = self.leader
+        return lead is not None and not lead.is_finished and \
+            lead.num_cached_tokens < len(lead.prompt_token_ids) // block_size * block_size

@@ -37,3 +37,20 @@ def default_llm():
     from minillm import LLM
 
     return LLM(device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_llama):
+    """Each prompt run alone on a roomy engine without prefix caching: the ground truth for greedy tokens."""
+    from minillm import LLM, SamplingParams
+
+    llm = LLM(tiny_llama, device=DEVICE, dtype=torch.float32, enable_prefix_caching=False, num_kv_blocks=256)
+    cache = {}
+
+    def run(prompt_ids: tuple[int, ...], max_tokens: int) -> list[int]:
+        key = (prompt_ids, max_tokens)
+        if key not in cache:
+            p = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            cache[key] = llm.generate([list(prompt_ids)], p, use_tqdm=False)[0].outputs[0].token_ids
+        return cache[key]
+    return run

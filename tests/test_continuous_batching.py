@@ -14,21 +14,6 @@ from minillm.sequence import Sequence
 WORDS = "the cache block token prefill decode model batch queue step page table share copy write".split()
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_llama):
-    """Each prompt run alone on a roomy engine without prefix caching: the ground truth."""
-    llm = LLM(tiny_llama, device=DEVICE, dtype=torch.float32, enable_prefix_caching=False, num_kv_blocks=256)
-    cache = {}
-
-    def run(prompt_ids: tuple[int, ...], max_tokens: int) -> list[int]:
-        key = (prompt_ids, max_tokens)
-        if key not in cache:
-            p = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-            cache[key] = llm.generate([list(prompt_ids)], p, use_tqdm=False)[0].outputs[0].token_ids
-        return cache[key]
-    return run
-
-
 def random_workload(rng: random.Random, tokenizer, n: int) -> list[tuple[list[int], int]]:
     system = tokenizer(" ".join(rng.choices(WORDS, k=rng.randint(8, 30)))).input_ids
     work = []
@@ -92,7 +77,10 @@ def test_abort_mid_flight_frees_blocks_and_spares_others(tiny_llama, reference):
     finished = {}
     for step in range(40):
         if step == 3:
-            engine.abort(ids[1])
+            free = llm.stats()["kv_blocks_free"]
+            aborted = engine.abort(ids[1])  # between steps: applied at once, its final output returned
+            assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+            assert len(aborted.outputs[0].token_ids) == 3 and llm.stats()["kv_blocks_free"] > free
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out

@@ -21,6 +21,8 @@ The engine drives the manager like this (minillm's Scheduler and LLMEngine.step)
     free(seq)                           when the request finishes or is preempted
 """
 
+import hashlib
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -32,13 +34,13 @@ class Block:
 
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
+    hash: bytes | None = None
     token_ids: tuple[int, ...] = ()
 
 
-def block_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Chained hash of a full block: covers its own tokens and, through prev_hash, every block before it. (Given.)"""
-    return hash((prev_hash, token_ids))
+def block_hash(prev_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """Chained SHA-256 of a full block: covers its own tokens and, through prev_hash, every block before it. (Given.)"""
+    return hashlib.sha256((prev_hash or b"") + array("q", token_ids).tobytes()).digest()
 
 
 class BlockManager:

@@ -1,8 +1,24 @@
-"""minillm: a small, real LLM inference engine, built chapter by chapter."""
+"""minillm: a small, real LLM inference engine, built chapter by chapter.
 
-from .engine import LLMEngine
-from .llm import LLM
-from .outputs import CompletionOutput, RequestOutput
-from .sampling import SamplingParams
+The engine's names are imported on first use, so `import minillm.metrics` (records and summaries, used
+by benchmark clients) does not load PyTorch, transformers and the engine.
+"""
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {"LLM": ".llm", "LLMEngine": ".engine", "SamplingParams": ".sampling",
+            "RequestOutputKind": ".sampling", "RequestOutput": ".outputs", "CompletionOutput": ".outputs",
+            "Logprob": ".outputs"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'minillm' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -1,4 +1,5 @@
-"""Command line: `python -m minillm generate "prompt"` streams the model's reply to the terminal."""
+"""Command line: `python -m minillm generate "prompt"` streams a reply to the terminal; `serve` starts the
+OpenAI-compatible server."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 
 from .llm import LLM
 from .sampling import RequestOutputKind, SamplingParams
+from .serving.launch import add_arguments as add_serve_arguments, serve
 
 
 def generate(args: argparse.Namespace) -> None:
@@ -26,7 +28,7 @@ def generate(args: argparse.Namespace) -> None:
           f"{1 / decode if n > 1 else 0:.1f} tokens/s decode]", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int | None:
     parser = argparse.ArgumentParser(prog="python -m minillm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream a reply to one prompt")
@@ -40,12 +42,13 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--device", default=None)
     gen.add_argument("--dtype", default=None)
+    add_serve_arguments(sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API"))
     args = parser.parse_args(argv)
     try:
-        {"generate": generate}[args.command](args)
+        return {"generate": generate, "serve": serve}[args.command](args)
     except ValueError as e:
         parser.exit(2, f"error: {e}\n")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

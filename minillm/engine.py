@@ -88,6 +88,18 @@ class LLMEngine:
             raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         return None, list(prompt)
 
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation (list of {"role", "content"} dicts) ready for the assistant's reply."""
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= m.keys()
+                                                      for m in messages):
+            raise ValueError('messages must be a list of {"role": ..., "content": ...} dicts')
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=True)
+        except Exception as e:  # the template itself may refuse a conversation (jinja2's TemplateError)
+            raise ValueError(f"the chat template cannot format these messages: {e}") from None
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
     def validate(self, token_ids: list[int]) -> None:
         """Reject a prompt the engine cannot run, before any state changes."""
         if not token_ids:

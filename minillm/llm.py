@@ -107,11 +107,7 @@ class LLM:
 
     def apply_chat_template(self, messages) -> list[int]:
         """Token ids of a conversation (list of {"role", "content"} dicts) ready for the assistant's reply."""
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= m.keys()
-                                                      for m in messages):
-            raise ValueError('messages must be a list of {"role": ..., "content": ...} dicts')
-        ids = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return self.engine.apply_chat_template(messages)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:

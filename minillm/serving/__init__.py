@@ -1,0 +1,8 @@
+"""Serving: the engine behind an asyncio loop (`AsyncLLM`) and an OpenAI-compatible HTTP server."""
+
+from .api_server import build_app
+from .async_llm import AsyncLLM, EngineOverloaded, EngineUnavailable, RequestStream
+from .launch import ServerThread, serve
+
+__all__ = ["AsyncLLM", "EngineOverloaded", "EngineUnavailable", "RequestStream", "ServerThread", "build_app",
+           "serve"]

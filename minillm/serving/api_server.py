@@ -1,0 +1,222 @@
+"""The HTTP front door: an OpenAI-compatible FastAPI app over an `AsyncLLM`.
+
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, and vLLM's /tokenize,
+/detokenize and /tokenizer_info. Every error a client can cause comes back as a 4xx with an OpenAI
+error body `{"error": {"message", "type", "param", "code"}}`; streams are Server-Sent Events written by
+sse-starlette, one `data: {json}` event per chunk and `data: [DONE]` at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sse_starlette import EventSourceResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+
+from .async_llm import AsyncLLM, EngineOverloaded, EngineUnavailable
+from .completions import Served, chat_completion, completion
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest
+from .prometheus import ServerMetrics
+
+MAX_BODY_BYTES = 4 << 20  # a request body above this is refused (413) before it is read whole
+log = logging.getLogger("minillm.serving")
+
+
+def error_response(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    """The first pydantic complaint, named by its field path (`messages.0.content`).
+
+    A field that may take several shapes (a prompt: text, token ids, or a batch of either) fails once per
+    shape; those complaints are joined, and pydantic's shape names are left out of the path.
+    """
+    errors = exc.errors() or [{"loc": (), "msg": "invalid request", "type": ""}]
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return OpenAIError(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    param = _field_path(first.get("loc", ()))
+    if not param and first.get("type") in ("model_attributes_type", "dict_type"):
+        return OpenAIError("the request body must be a JSON object")
+    msgs = dict.fromkeys(e["msg"] for e in errors if _field_path(e.get("loc", ())) == param)
+    return OpenAIError(f"{param + ': ' if param else ''}{' / '.join(msgs)}", param=param or None)
+
+
+def _field_path(loc) -> str:
+    """`("body", "prompt", "list[int]", 0)` -> "prompt": the fields, up to the first shape name."""
+    parts = []
+    for p in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(p, str) and not p.isidentifier() or p in _SHAPES:
+            break
+        parts.append(str(p))
+    return ".".join(parts)
+
+
+_SHAPES = {"str", "int", "float", "bool", "list", "dict", "none", "Message", "TextPart", "StreamOptions"}
+
+
+class BodyLimit:
+    """ASGI middleware: refuse bodies over `max_bytes` (413), by their Content-Length or while they arrive."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await self._refuse(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise HTTPException(413)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    async def _refuse(self, scope, receive, send):
+        error = OpenAIError(f"the request body is larger than {self.max_bytes} bytes", status=413,
+                            code="request_too_large")
+        await error_response(error)(scope, receive, send)
+
+
+def build_app(llm: AsyncLLM, model_name: str, max_body_bytes: int = MAX_BODY_BYTES,
+              on_started: Callable[[], None] | None = None) -> FastAPI:
+    """The app; its lifespan starts the engine loop (then calls `on_started`) and stops it at shutdown."""
+    served = Served(llm, model_name)
+    metrics = ServerMetrics(llm, model_name)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await llm.start()
+        if on_started is not None:
+            on_started()
+        yield
+        await llm.stop()
+
+    app = FastAPI(title="minillm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.state.served, app.state.metrics = served, metrics
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, e: OpenAIError):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        return error_response(_validation_error(e))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, e: HTTPException):
+        messages = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}",
+                    413: f"the request body is larger than {max_body_bytes} bytes"}
+        return error_response(OpenAIError(messages.get(e.status_code, str(e.detail)), status=e.status_code,
+                                          headers=e.headers))
+
+    @app.exception_handler(EngineOverloaded)
+    async def _overloaded(request: Request, e: EngineOverloaded):
+        return error_response(OpenAIError(str(e), status=429, type="rate_limit_error", code="server_overloaded",
+                                          headers={"Retry-After": "1"}))
+
+    @app.exception_handler(EngineUnavailable)
+    async def _unavailable(request: Request, e: EngineUnavailable):
+        return error_response(OpenAIError(str(e), status=503, type="service_unavailable", code="unavailable"))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception):
+        log.exception("unexpected error serving %s", request.url.path)
+        return error_response(OpenAIError(f"internal error: {type(e).__name__}", status=500, type="internal_error"))
+
+    async def respond(body_or_chunks):
+        if isinstance(body_or_chunks, dict):
+            return JSONResponse(body_or_chunks)
+        return EventSourceResponse(_sse(body_or_chunks), sep="\n", ping=15)
+
+    def disconnected(request: Request):
+        async def wait() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+        return wait
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        return await respond(await completion(served, req, disconnected(request)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        return await respond(await chat_completion(served, req, disconnected(request)))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "minillm", "max_model_len": llm.engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if not llm.accepting:
+            raise EngineUnavailable("the server is shutting down" if llm.error is None else "the engine failed")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        served.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise OpenAIError("give either prompt or messages", param="prompt")
+        if req.prompt is not None:
+            ids = llm.engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
+        else:
+            messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(req.messages)]
+            try:
+                ids = llm.engine.apply_chat_template(messages, req.add_generation_prompt)
+            except ValueError as e:
+                raise OpenAIError(str(e), param="messages") from None
+        return {"count": len(ids), "max_model_len": llm.engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        served.check_model(req.model)
+        vocab = llm.engine.config.vocab_size
+        if bad := [t for t in req.tokens if t >= vocab]:
+            raise OpenAIError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param="tokens")
+        return {"prompt": llm.engine.tokenizer.decode(req.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        tok = llm.engine.tokenizer
+        return {"tokenizer_class": type(tok).__name__, "vocab_size": len(tok),
+                "model_max_length": llm.engine.max_model_len, "bos_token": tok.bos_token,
+                "eos_token": tok.eos_token, "pad_token": tok.pad_token, "unk_token": tok.unk_token,
+                "chat_template": tok.chat_template}
+
+    return app
+
+
+async def _sse(chunks):
+    """SSE events from a chunk generator; an engine failure mid-stream becomes an error event, then [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield {"data": chunk}
+    except (EngineUnavailable, OpenAIError) as e:
+        error = e if isinstance(e, OpenAIError) else OpenAIError(str(e), status=503, type="service_unavailable")
+        yield {"data": json.dumps(error.body())}
+        yield {"data": "[DONE]"}

@@ -1,0 +1,210 @@
+"""The engine behind an asyncio server: one thread steps the engine, each request reads its own queue.
+
+`LLMEngine.step` is a blocking forward pass, so it runs in a thread of its own (the engine loop), never on
+the event loop that serves HTTP. Requests are added and aborted from the event loop (the engine takes
+them between steps); each step's outputs are handed back to the loop, which puts each one on its
+request's queue. This is the shape of vLLM's `AsyncLLM`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+
+from ..engine import LLMEngine
+from ..outputs import CompletionOutput, RequestOutput
+from ..sampling import RequestOutputKind, SamplingParams
+
+log = logging.getLogger("minillm.serving")
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full: the caller should try again later (HTTP 429)."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is stopping, or stopped on an error: no new requests (HTTP 503)."""
+
+
+class RequestStream:
+    """The outputs of one request, in order, as an async iterator; outputs that queued up while the reader
+    was busy come merged into one. Closing it before the request finishes aborts the request."""
+
+    def __init__(self, llm: AsyncLLM, request_id: str, kind: RequestOutputKind):
+        self.llm, self.request_id, self.kind = llm, request_id, kind
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = self.closed = False
+        llm.open_streams += 1
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self.queue.get()
+        while not self.queue.empty() and isinstance(out, RequestOutput) and not out.finished:
+            nxt = self.queue.get_nowait()
+            out = nxt if isinstance(nxt, BaseException) else self._merge(out, nxt)
+        if isinstance(out, BaseException):
+            self.finished = True
+            raise out
+        self.finished = out.finished
+        return out
+
+    def _merge(self, a: RequestOutput, b: RequestOutput) -> RequestOutput:
+        if self.kind != RequestOutputKind.DELTA:
+            return b  # cumulative: the later output already holds everything
+        by_index = {c.index: c for c in a.outputs}
+        for c in b.outputs:
+            old = by_index.get(c.index)
+            by_index[c.index] = c if old is None else _concat(old, c)
+        return replace(b, outputs=sorted(by_index.values(), key=lambda c: c.index),
+                       prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs)
+
+    async def aclose(self) -> None:
+        """Stop reading: an unfinished request is aborted and its KV blocks freed."""
+        if not self.finished:
+            self.finished = True
+            self.llm.abort_nowait(self.request_id)
+        if not self.closed:
+            self.closed = True
+            self.llm.open_streams -= 1
+        self.llm.forget(self.request_id)
+
+
+def _concat(old: CompletionOutput, new: CompletionOutput) -> CompletionOutput:
+    return replace(new, text=old.text + new.text, token_ids=old.token_ids + new.token_ids,
+                   logprobs=None if new.logprobs is None else (old.logprobs or []) + new.logprobs)
+
+
+class AsyncLLM:
+    """An `LLMEngine` served to asyncio code: `add_request` / `generate` / `abort`, one engine loop thread."""
+
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None):
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.listeners: list[Callable[[list[RequestOutput]], None]] = []  # called on the event loop per step
+        self.error: BaseException | None = None  # set if a step failed: the engine stops serving
+        self.open_streams = 0  # streams handed out and not yet closed by their readers
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake = threading.Event()
+        self._running = self._accepting = False
+        self._thread: threading.Thread | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the engine loop; outputs are delivered on the calling event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._running = self._accepting = True
+        self._thread = threading.Thread(target=self._engine_loop, name="minillm-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Stop the engine loop, then abort what is left: each open stream gets its final output."""
+        self._running = False
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+            self._thread = None
+        self.abort_all()
+
+    @property
+    def accepting(self) -> bool:
+        return self._running and self._accepting and self.error is None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop outputs are delivered on (the server's)."""
+        return self._loop
+
+    def stop_accepting(self) -> None:
+        """Refuse new requests (EngineUnavailable); those in flight carry on."""
+        self._accepting = False
+
+    # --- requests --------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+        """Queue a request and return its stream; a bad prompt or parameter raises ValueError here, at once."""
+        if not self.accepting:
+            raise EngineUnavailable("the server is shutting down" if self.error is None else
+                                    f"the engine stopped after an error: {self.error}")
+        waiting = self.engine.num_waiting_seqs()
+        if self.max_waiting_requests is not None and waiting + params.n > self.max_waiting_requests:
+            raise EngineOverloaded(f"{waiting} sequences are waiting (limit {self.max_waiting_requests}); "
+                                   "try again shortly")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(self, request_id, params.output_kind)
+        self.engine.add_request(request_id, prompt, params)  # validates; nothing is queued if it raises
+        self._streams[request_id] = stream
+        self._wake.set()
+        return stream
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as the engine produces them; stopping early aborts the request."""
+        stream = self.add_request(request_id, prompt, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its reader receives the final output (finish_reason "abort")."""
+        self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str) -> None:
+        final = self.engine.abort(request_id)  # applied now, or by the step in progress, which reports it
+        if final is not None:
+            self._dispatch([final])
+        self._wake.set()
+
+    def abort_all(self) -> None:
+        for request_id in list(self._streams):
+            self.abort_nowait(request_id)
+
+    def forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    # --- the engine loop (its own thread) and delivery (on the event loop) -----------------------------
+
+    def _engine_loop(self) -> None:
+        while self._running:
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except BaseException as e:  # a bug, not bad input: report it to every reader and stop
+                log.exception("engine step failed; the engine stops serving")
+                self.error = e
+                self._loop.call_soon_threadsafe(self._fail_all, e)
+                return
+            if outputs:
+                self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for listener in self.listeners:
+            listener(outputs)
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.queue.put_nowait(out)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineUnavailable(f"the engine stopped after an error: {error}"))
+        self._streams.clear()

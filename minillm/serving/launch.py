@@ -1,0 +1,154 @@
+"""Running the server: `python -m minillm serve` in the foreground, or `ServerThread` in the background.
+
+Shutting down is the same in both: new requests are refused (503), requests in flight get `drain_seconds`
+to finish, whatever is left is aborted (each open stream still ends with a final chunk and `[DONE]`),
+and only then does uvicorn close its connections. SIGINT or SIGTERM starts it; a second one forces exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import sys
+import threading
+import time
+
+import uvicorn
+
+from .api_server import build_app
+from .async_llm import AsyncLLM
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0: a free one), so clients can connect as soon as its address is known."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+async def shutdown(server: uvicorn.Server, llm: AsyncLLM, drain_seconds: float) -> None:
+    """Refuse new requests, let those in flight finish for up to `drain_seconds`, abort the rest, then exit."""
+    llm.stop_accepting()
+    deadline = time.monotonic() + drain_seconds
+    while llm.num_unfinished() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    llm.abort_all()
+    deadline = time.monotonic() + 5
+    while llm.open_streams and time.monotonic() < deadline:  # let each stream send its last chunk and [DONE]
+        await asyncio.sleep(0.01)
+    server.should_exit = True
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, with a first SIGINT/SIGTERM that drains instead of cutting streams, and exit status 0."""
+
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, drain_seconds: float):
+        super().__init__(config)
+        self.llm, self.drain_seconds, self.draining = llm, drain_seconds, False
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.draining:  # a second signal: stop now
+            self.should_exit = self.force_exit = True
+            return
+        self.draining = True
+        self.llm.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(
+            shutdown(self, self.llm, self.drain_seconds)))
+
+
+class ServerThread:
+    """The app served by uvicorn in a background thread on 127.0.0.1 and a free port (tests, notebooks).
+
+    Use as a context manager, or call `start()` and `stop()`; `url` is the base URL (`.../v1` for clients).
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, drain_seconds: float = 0.0):
+        self.llm: AsyncLLM = app.state.served.llm
+        self.sock = bind(host, port)
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        self.drain_seconds = drain_seconds
+        config = uvicorn.Config(app, log_level="error", access_log=False, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
+                                       name="minillm-server")
+
+    def start(self, timeout: float = 120) -> ServerThread:
+        if self.thread.is_alive():
+            return self
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 60) -> None:
+        """Drain and stop (see `shutdown`); the thread is joined."""
+        if self.thread.is_alive() and self.server.started:
+            future = asyncio.run_coroutine_threadsafe(shutdown(self.server, self.llm, self.drain_seconds),
+                                                      self.llm.loop)
+            future.result(timeout)
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="local Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: the model's)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--max-waiting-requests", type=int, default=256,
+                        help="sequences allowed to wait; beyond this a request gets 429 with Retry-After")
+    parser.add_argument("--drain-seconds", type=float, default=5.0,
+                        help="on SIGINT/SIGTERM, how long requests in flight may run before they are aborted")
+    parser.add_argument("--threads", type=int, default=None, help="PyTorch intra-op threads (default: PyTorch's)")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Load the model, serve until SIGINT/SIGTERM, drain, exit 0."""
+    import torch
+
+    from ..engine import LLMEngine
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine(args.model, args.device, args.dtype, block_size=args.block_size,
+                       num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       enable_prefix_caching=not args.no_prefix_caching)
+    name = args.served_model_name or (engine.path.name if args.model else DEFAULT_MODEL_NAME)
+    llm = AsyncLLM(engine, max_waiting_requests=args.max_waiting_requests)
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+
+    def ready() -> None:
+        print(f"minillm: serving {name} at http://{host}:{port}/v1 on {engine.device} "
+              f"({torch.get_num_threads()} threads); Ctrl-C to stop", flush=True)
+
+    app = build_app(llm, name, on_started=ready)
+    config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("debug", "info"))
+    _Server(config, llm, args.drain_seconds).run(sockets=[sock])
+    print("minillm: stopped", file=sys.stderr, flush=True)
+    return 0

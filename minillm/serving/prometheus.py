@@ -1,0 +1,94 @@
+"""The server's /metrics: engine state and request latencies in Prometheus form, with vLLM's metric names.
+
+Gauges are read from the engine when Prometheus scrapes; counters and latency histograms are fed from
+each step's outputs (`AsyncLLM.listeners`). Everything lives in the app's own registry, so several servers
+in one process (tests, notebooks) never share counters.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily
+
+from ..outputs import RequestOutput
+from .async_llm import AsyncLLM
+
+PREFIX = "minillm:"
+disable_created_metrics()  # no `*_created` timestamp series beside each counter (vLLM turns them off too)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+
+class ServerMetrics:
+    """Prometheus metrics of one served model, in `registry`."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str):
+        self.registry = CollectorRegistry()
+        engine, labels = llm.engine, {"model_name": model_name}
+
+        def gauge(name: str, doc: str, read) -> None:
+            Gauge(PREFIX + name, doc, list(labels), registry=self.registry).labels(**labels).set_function(read)
+
+        def counter(name: str, doc: str, *extra: str) -> Counter:
+            return Counter(PREFIX + name, doc, [*labels, *extra], registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, list(labels), buckets=buckets, registry=self.registry).labels(**labels)
+
+        bm = engine.block_manager
+        gauge("num_requests_running", "Sequences in the running batch.", lambda: len(engine.scheduler.running))
+        gauge("num_requests_waiting", "Sequences waiting to start (or to resume after preemption).",
+              engine.num_waiting_seqs)
+        gauge("kv_cache_usage_perc", "Share of KV-cache blocks in use (1 = full).",
+              lambda: 1 - bm.num_free_blocks / bm.num_blocks)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.").labels(**labels)
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(**labels)
+        self.success = counter("request_success", "Requests finished, by finish reason.", "finished_reason")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS)
+        self.registry.register(_EngineCounters(engine, labels))
+        self.labels = labels
+        self._seen: dict[str, int] = {}  # request id -> token times already observed
+        llm.listeners.append(self.observe)
+
+    def observe(self, outputs: list[RequestOutput]) -> None:
+        """Record the tokens and finishes in one step's outputs."""
+        for out in outputs:
+            m = out.metrics
+            seen, times = self._seen.get(out.request_id, 0), list(m.token_times)  # the engine may append meanwhile
+            if seen == 0 and times:
+                self.ttft.observe(times[0] - m.arrival_time)
+                self.prompt_tokens.inc(m.prompt_tokens)
+            for i in range(max(seen, 1), len(times)):
+                self.itl.observe(times[i] - times[i - 1])
+            self.generation_tokens.inc(len(times) - seen)
+            self._seen[out.request_id] = len(times)
+            if out.finished:
+                self._seen.pop(out.request_id, None)
+                self.e2e.observe(m.finished_time - m.arrival_time)
+                reason = out.outputs[0].finish_reason if out.outputs else None
+                self.success.labels(**self.labels, finished_reason=reason or "abort").inc()
+
+
+class _EngineCounters:
+    """Counters the engine keeps itself, read at scrape time (a Prometheus Counter cannot be set)."""
+
+    def __init__(self, engine, labels: dict[str, str]):
+        self.engine, self.labels = engine, labels
+
+    def collect(self):
+        stats = self.engine.stats()
+        for name, doc, value in (
+                ("num_preemptions", "Sequences preempted (their KV blocks freed, recomputed later).",
+                 stats["num_preemptions"]),
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 stats["prefix_cache_query_tokens"]),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats["prefix_cache_hit_tokens"])):
+            family = CounterMetricFamily(PREFIX + name, doc, labels=list(self.labels))
+            family.add_metric(list(self.labels.values()), value)
+            yield family

@@ -1,0 +1,44 @@
+"""Helpers for server tests: start a server on 127.0.0.1, read an SSE stream, scrape /metrics."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from minillm.engine import LLMEngine
+from minillm.serving import AsyncLLM, ServerThread, build_app
+
+
+def start_server(model, name: str = "test-model", max_waiting_requests: int | None = 256, **engine_kw) -> ServerThread:
+    """A started ServerThread over a fresh engine (CPU, float32); stop it with `.stop()` or a with-block."""
+    engine = LLMEngine(model, device="cpu", dtype=torch.float32, **engine_kw)
+    return ServerThread(build_app(AsyncLLM(engine, max_waiting_requests=max_waiting_requests), name)).start()
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The `data:` payloads of an SSE response, in order (comments and blank lines skipped)."""
+    return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def stream_json(client: httpx.Client, path: str, body: dict) -> list[dict]:
+    """POST a streaming request; its chunks as dicts. The stream must end with [DONE]."""
+    with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]", events[-3:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+def scrape(client: httpx.Client) -> dict[str, float]:
+    """The samples of /metrics without the `minillm:` prefix and the model label:
+    `{"num_requests_running": 0.0, 'request_success_total{finished_reason="stop"}': 3.0, ...}`."""
+    out = {}
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model_name")
+            out[sample.name.removeprefix("minillm:") + (f"{{{labels}}}" if labels else "")] = sample.value
+    return out

@@ -17,34 +17,13 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from pathlib import Path
 
 import torch
 
 from minillm import LLM, SamplingParams
+from minillm.bench import WORKLOADS, make_workload
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKLOADS = {"chat": ((16, 128), (64, 256)), "rag": ((256, 1024), (16, 64))}
 STATIC_BATCH = 8
-
-
-def corpus_ids(tokenizer) -> list[int]:
-    """Token ids of real English prose: the book's own pages and README."""
-    text = "\n\n".join(p.read_text() for p in sorted((ROOT / "book").glob("*.md")) + [ROOT / "README.md"])
-    return tokenizer(text, verbose=False).input_ids
-
-
-def make_workload(name: str, n: int, tokenizer, seed: int = 0) -> list[tuple[list[int], int]]:
-    """`n` (prompt ids, max_tokens) pairs: windows of the corpus, lengths drawn uniformly from the ranges."""
-    (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[name]
-    ids, rng = corpus_ids(tokenizer), random.Random(seed)
-    work = []
-    for _ in range(n):
-        length = rng.randint(p_lo, p_hi)
-        start = rng.randrange(0, max(1, len(ids) - length))
-        prompt = (ids * (1 + length // len(ids)))[start:start + length]
-        work.append((prompt, rng.randint(o_lo, o_hi)))
-    return work
 
 
 def run_minillm(llm: LLM, work) -> dict:

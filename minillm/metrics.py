@@ -1,22 +1,17 @@
 """Serving metrics: per-request timing records, their summaries (vLLM `bench serve` definitions),
-arrival processes, drivers that replay a workload against the engine, and a latency-CDF plot."""
+arrival processes and a latency-CDF plot. Drivers that replay a workload live in `minillm.bench`."""
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:  # only for type hints: the engine imports this module
+if TYPE_CHECKING:  # only for type hints
     from matplotlib.axes import Axes
-
-    from .engine import LLMEngine
-    from .outputs import RequestOutput
-    from .sampling import SamplingParams
 
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")  # the per-request latencies an SLO may bound, as in vLLM's --goodput
 
@@ -184,54 +179,6 @@ def gamma_arrivals(rate: float, n: int, burstiness: float = 1.0, seed: int = 0) 
 def poisson_arrivals(rate: float, n: int, seed: int = 0) -> list[float]:
     """Arrival times (s, the first at 0) of a Poisson process of `rate` requests per second."""
     return gamma_arrivals(rate, n, 1.0, seed)
-
-
-# --- drivers: run a workload through an engine, returning outputs in prompt order --------------------------
-
-def _params_list(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
-    params = list(params) if isinstance(params, (list, tuple)) else [params] * n
-    if len(params) != n:
-        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; pass one or one per prompt")
-    return params
-
-
-def replay(engine: LLMEngine, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams],
-           arrivals: Sequence[float]) -> list[RequestOutput]:
-    """Open loop: add each prompt when its arrival time (s after the start) comes, step the engine otherwise.
-
-    A request's recorded arrival is its scheduled time, so its TTFT includes any wait behind a step in progress.
-    """
-    if len(arrivals) != len(prompts) or any(b < a for a, b in zip(arrivals, arrivals[1:])):
-        raise ValueError("need one arrival time per prompt, in non-decreasing order")
-    params = _params_list(params, len(prompts))
-    ids: list[str] = []
-    finished: dict[str, RequestOutput] = {}
-    start = time.perf_counter()
-    while len(finished) < len(prompts):
-        now = time.perf_counter()
-        while len(ids) < len(prompts) and start + arrivals[len(ids)] <= now:
-            i = len(ids)
-            ids.append(engine.add_request(None, prompts[i], params[i], arrival_time=start + arrivals[i]))
-        if engine.has_unfinished_requests():
-            finished |= {o.request_id: o for o in engine.step() if o.finished and o.request_id in ids}
-        else:  # idle until the next arrival
-            time.sleep(start + arrivals[len(ids)] - now)
-    return [finished[i] for i in ids]
-
-
-def run_closed_loop(engine: LLMEngine, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams],
-                    concurrency: int) -> list[RequestOutput]:
-    """Closed loop: keep `concurrency` requests in flight, sending the next prompt as soon as one finishes."""
-    if concurrency < 1:
-        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    params = _params_list(params, len(prompts))
-    ids: list[str] = []
-    finished: dict[str, RequestOutput] = {}
-    while len(finished) < len(prompts):
-        while len(ids) < len(prompts) and len(ids) - len(finished) < concurrency:
-            ids.append(engine.add_request(None, prompts[len(ids)], params[len(ids)]))
-        finished |= {o.request_id: o for o in engine.step() if o.finished and o.request_id in ids}
-    return [finished[i] for i in ids]
 
 
 # --- plots -------------------------------------------------------------------------------------------------

@@ -1,16 +1,19 @@
 """Serving metrics: hand-computed summaries, percentiles against numpy, goodput under SLOs, arrival processes,
-and the open- and closed-loop drivers on a tiny random model."""
+the open- and closed-loop drivers (minillm.bench) on a tiny random model, and an import without PyTorch."""
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from minillm import LLMEngine, SamplingParams
+from minillm.bench import replay, run_closed_loop
 from minillm.metrics import (RequestMetrics, e2el, gamma_arrivals, goodput, itl, meets_slo, percentile, plot_cdf,
-                             poisson_arrivals, replay, run_closed_loop, summarize, tpot, ttft)
+                             poisson_arrivals, summarize, tpot, ttft)
 
 
 def record(arrival: float, token_times: list[float], prompt_tokens: int = 4) -> RequestMetrics:
@@ -192,3 +195,9 @@ def test_plot_cdf():
     with pytest.raises(ValueError):
         plot_cdf(ax, [], "empty")
     plt.close(fig)
+
+
+def test_import_does_not_load_torch():
+    """Benchmark clients import the records and summaries on machines without the engine's dependencies."""
+    code = "import sys, minillm.metrics; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

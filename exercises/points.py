@@ -11,10 +11,10 @@ from exercises import REPORT_ENV
 
 
 def _one_line(report: pytest.TestReport) -> str:
-    """The failure's exception message, squeezed onto one line (a plain assertion needs no type name)."""
+    """The failure's exception message, squeezed onto one line (a plain assertion or pytest.fail needs no type name)."""
     crash = getattr(report.longrepr, "reprcrash", None)
     text = crash.message if crash is not None else str(report.longrepr)
-    return " ".join(text.removeprefix("AssertionError: ").split())
+    return " ".join(text.removeprefix("AssertionError: ").removeprefix("Failed: ").split())
 
 
 class PointsRecorder:

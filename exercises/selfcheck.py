@@ -1,40 +1,74 @@
-"""Check every grader: the minillm reference must earn full marks and the untouched stub exactly zero.
+"""Check every grader: the minillm reference must earn full marks; the untouched stub, a re-export of minillm
+and a copy of reference.py must earn exactly zero.
 
 `python -m exercises.selfcheck` prints one line per exercise and exits non-zero on any failure.
 """
 
 from __future__ import annotations
 
+import ast
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from exercises import find_exercises, stub_file
 from exercises.grade import TestResult, run_grader, score
+from exercises.own_code import MARK, is_minillm
 
 
-def _problems(reference: list[TestResult], stub: list[TestResult]) -> list[str]:
-    """A line per test that fails the reference, or that the untouched stub fails other than by NotImplementedError
-    (a test passing with the stub never called the student's code; one failing otherwise hides a grader bug)."""
-    return ([f"    {r.name}: reference fails: {r.reason}" for r in reference if not r.passed]
-            + [f"    {r.name}: passes with the untouched stub" for r in stub if r.passed]
-            + [f"    {r.name}: stub fails other than by NotImplementedError: {r.reason}"
-               for r in stub if not r.passed and "NotImplementedError" not in r.reason])
+def reexport_source(reference: Path) -> str:
+    """A submission that imports from minillm exactly the names reference.py exports from minillm."""
+    tree = ast.parse(reference.read_text())
+    exported = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets))
+    imports = [ast.ImportFrom(node.module, [a for a in node.names if (a.asname or a.name) in exported], 0)
+               for node in tree.body if isinstance(node, ast.ImportFrom) and is_minillm(node.module)]
+    return "".join(ast.unparse(node) + "\n" for node in imports if node.names)
+
+
+def _problems(reference: list[TestResult], stub: list[TestResult], cheats: dict[str, list[TestResult]]) -> list[str]:
+    """A line per test that fails the reference; that the untouched stub passes or fails other than by
+    NotImplementedError (then it never called the student's code, or hides a grader bug); or that a submission
+    of minillm's own code passes or fails without saying it is not the student's own code."""
+    lines = ([f"    {r.name}: reference fails: {r.reason}" for r in reference if not r.passed]
+             + [f"    {r.name}: passes with the untouched stub" for r in stub if r.passed]
+             + [f"    {r.name}: stub fails other than by NotImplementedError: {r.reason}"
+                for r in stub if not r.passed and "NotImplementedError" not in r.reason])
+    for what, results in cheats.items():
+        lines += ([f"    {r.name}: passes with a {what}" for r in results if r.passed]
+                  + [f"    {r.name}: a {what} fails other than as {MARK!r}: {r.reason}"
+                     for r in results if not r.passed and MARK not in r.reason])
+    return lines
+
+
+def _grade_cheats(directory: Path) -> dict[str, list[TestResult]]:
+    """Grade two submissions of minillm's own code: a re-export of its names, and reference.py copied."""
+    reference = directory / "reference.py"
+    with tempfile.TemporaryDirectory() as tmp:
+        reexport, copy = Path(tmp) / "reexport.py", Path(tmp) / "reference_copy.py"
+        reexport.write_text(reexport_source(reference))
+        copy.write_text(reference.read_text())
+        return {"re-export": run_grader(directory, str(reexport)), "reference copy": run_grader(directory, str(copy))}
 
 
 def check(directory: Path) -> tuple[bool, str]:
-    """Grade the reference and the untouched stub of one exercise; (ok, report lines)."""
+    """Grade the reference, the untouched stub and minillm's code handed in as a submission; (ok, report lines)."""
     start = time.perf_counter()
     try:
         stub_file(directory)
         ref, stub = run_grader(directory, "reference"), run_grader(directory, "stub")
+        cheats = _grade_cheats(directory)
     except RuntimeError as e:  # a GraderError, or no single stub file
         return False, f"{directory.name}: FAIL  grader error: {e}"
     (ref_earned, total), (stub_earned, _) = score(ref), score(stub)
-    problems = _problems(ref, stub)
-    ok = ref_earned == total and stub_earned == 0 and not problems
+    cheat_earned = {what: score(results)[0] for what, results in cheats.items()}
+    problems = _problems(ref, stub, cheats)
+    ok = ref_earned == total and stub_earned == 0 and not any(cheat_earned.values()) and not problems
     line = (f"{directory.name}: {'ok' if ok else 'FAIL'}  reference {ref_earned:g}/{total:g}, "
-            f"stub {stub_earned:g}/{total:g}, {len(ref)} tests, {time.perf_counter() - start:.1f} s")
+            f"stub {stub_earned:g}/{total:g}, "
+            + "".join(f"{what} {earned:g}/{total:g}, " for what, earned in cheat_earned.items())
+            + f"{len(ref)} tests, {time.perf_counter() - start:.1f} s")
     return ok, "\n".join([line, *problems])
 
 

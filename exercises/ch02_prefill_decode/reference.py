@@ -5,3 +5,4 @@ from minillm.roofline import (OpCost, arithmetic_intensity, decode_costs, forwar
 
 __all__ = ["OpCost", "forward_costs", "prefill_costs", "decode_costs", "total_flops", "total_bytes",
            "arithmetic_intensity", "ridge_point"]
+GRADED = [n for n in __all__ if n != "OpCost"]  # given: the stub imports it

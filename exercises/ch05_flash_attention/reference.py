@@ -3,3 +3,4 @@
 from minillm.kernels.online_softmax import merge_partials, partial_attention, tiled_attention
 
 __all__ = ["partial_attention", "merge_partials", "tiled_attention"]
+GRADED = __all__  # every name is the student's to write

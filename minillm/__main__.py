@@ -1,5 +1,5 @@
-"""Command line: `python -m minillm generate "prompt"` streams a reply to the terminal; `serve` starts the
-OpenAI-compatible server."""
+"""Command line: `python -m minillm generate "prompt"` streams a reply to the terminal, `serve` starts the
+OpenAI-compatible server, and `bench` benchmarks one."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 import sys
 import time
 
+from . import bench
 from .llm import LLM
 from .sampling import RequestOutputKind, SamplingParams
 from .serving.launch import add_arguments as add_serve_arguments, serve
@@ -43,9 +44,11 @@ def main(argv: list[str] | None = None) -> int | None:
     gen.add_argument("--device", default=None)
     gen.add_argument("--dtype", default=None)
     add_serve_arguments(sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API"))
+    bench.add_arguments(sub.add_parser("bench", help="benchmark an OpenAI-compatible server",
+                                       description=bench.DESCRIPTION))
     args = parser.parse_args(argv)
     try:
-        return {"generate": generate, "serve": serve}[args.command](args)
+        return {"generate": generate, "serve": serve, "bench": bench.run}[args.command](args)
     except ValueError as e:
         parser.exit(2, f"error: {e}\n")
 

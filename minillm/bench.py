@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # only for type hints: the HTTP client needs neither the engi
     from .outputs import RequestOutput
     from .sampling import SamplingParams
 
+DESCRIPTION = "Benchmark an OpenAI-compatible server as `vllm bench serve` does."
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = {"chat": ((16, 128), (64, 256)), "rag": ((256, 1024), (16, 64))}
 Prompt = str | list[int] | list[dict]  # text, token ids, or OpenAI chat messages
@@ -427,12 +428,8 @@ def benchmark(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m minillm bench ...`: benchmark an OpenAI-compatible server; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m minillm bench",
-                                     description="Benchmark an OpenAI-compatible server as `vllm bench serve` does.")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """`benchmark`, with a bad option or dataset (2) and an unreachable server (1) reported in a line."""
     from openai import APIError
 
     try:
@@ -443,3 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     except APIError as e:  # listing the models failed: no server, or not an OpenAI-compatible one
         print(f"error: {args.base_url}: {e}", file=sys.stderr)
         return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m minillm bench ...`: benchmark an OpenAI-compatible server; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m minillm bench", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

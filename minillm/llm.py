@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from tqdm.auto import tqdm
 
+from .beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from .engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling import RequestOutputKind, SamplingParams
@@ -104,6 +105,10 @@ class LLM:
         Closing the generator early aborts the request.
         """
         yield from self._outputs(self._add_all([prompt], sampling_params))
+
+    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """The `beam_width` most likely continuations of each prompt (see beam_search.py for the cost)."""
+        return beam_search(self, prompts if isinstance(prompts, list) else [prompts], params)
 
     def apply_chat_template(self, messages) -> list[int]:
         """Token ids of a conversation (list of {"role", "content"} dicts) ready for the assistant's reply."""

@@ -108,7 +108,8 @@ class LLM:
 
     def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
         """The `beam_width` most likely continuations of each prompt (see beam_search.py for the cost)."""
-        return beam_search(self, prompts if isinstance(prompts, list) else [prompts], params)
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        return beam_search(self, [prompts] if single else list(prompts), params)
 
     def apply_chat_template(self, messages) -> list[int]:
         """Token ids of a conversation (list of {"role", "content"} dicts) ready for the assistant's reply."""

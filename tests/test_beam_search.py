@@ -44,6 +44,9 @@ def test_width_one_is_greedy_and_wider_beams_come_ranked(llm):
     greedy = llm.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0), use_tqdm=False)[0]
     one = llm.beam_search(prompt, BeamSearchParams(beam_width=1, max_tokens=6, ignore_eos=True))[0].sequences[0]
     assert one.tokens == greedy.outputs[0].token_ids
+    ids = llm.get_tokenizer()(prompt).input_ids  # one prompt given as token ids, not a batch of ints
+    (by_ids,) = llm.beam_search(ids, BeamSearchParams(beam_width=1, max_tokens=6, ignore_eos=True))
+    assert by_ids.sequences[0].tokens == one.tokens
     assert one.cum_logprob == pytest.approx(greedy.outputs[0].cumulative_logprob, abs=1e-4)
     four = llm.beam_search(prompt, BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True))[0].sequences
     assert len({tuple(b.tokens) for b in four}) == 4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import minillm.kernels.backend  # noqa: F401  first: on a CPU it sets TRITON_INTERPRET before anything imports triton
 import pytest
 import torch
 

@@ -1,6 +1,9 @@
 """The engine with its attention on minillm's Triton kernels (interpreted on a CPU) gives the same greedy tokens."""
 
 import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -42,3 +45,15 @@ def test_default_model_parity_with_triton_forced(monkeypatch):
     hf = load_hf(llm.engine.path, DEVICE)
     for ids, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, ids, 8)[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is for machines without CUDA")
+def test_triton_imported_before_minillm_is_a_clear_error():
+    """TRITON_INTERPRET must be set before triton's first import; transformers' model classes import it."""
+    code = ("import os; os.environ['MINILLM_ATTENTION'] = 'triton'\n"
+            "from transformers import AutoModelForCausalLM\n"
+            "from minillm.kernels import use_triton\n"
+            "use_triton('cpu')")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode != 0 and "import minillm before transformers" in done.stderr

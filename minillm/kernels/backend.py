@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import torch
 
+# triton reads TRITON_INTERPRET when it is first imported (transformers' model classes import it too):
+# if that happened before this module, the variable set here comes too late for this process
+_IMPORTED_TOO_EARLY = "triton" in sys.modules and "TRITON_INTERPRET" not in os.environ
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -25,7 +29,7 @@ def triton_available() -> bool:
 
 def interpreting() -> bool:
     """Whether Triton kernels run in the CPU interpreter rather than compiled for a GPU."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and not _IMPORTED_TOO_EARLY
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -51,5 +55,6 @@ def use_triton(device: torch.device | str | None = None) -> bool:
             raise RuntimeError(f"${ENV}=triton but the triton package is not installed (pip install triton)")
         return False
     if device_type == "cpu" and not interpreting():
-        raise RuntimeError(f"${ENV}=triton on a CPU needs TRITON_INTERPRET=1 set before triton is imported")
+        raise RuntimeError(f"${ENV}=triton on a CPU needs TRITON_INTERPRET=1 set before triton is imported "
+                           "(import minillm before transformers' model classes, which import triton)")
     return True

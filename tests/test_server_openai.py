@@ -112,8 +112,8 @@ def test_200_concurrent_streams_with_disconnects(server, http, default_llm):
     words = "cache token batch queue page prefill decode model server stream request block".split()
     prompts = [" ".join(rng.choices(words, k=rng.randint(3, 12))) for _ in range(25)]
     lengths = [rng.randint(4, 12) for _ in prompts]
-    isolated = [default_llm.generate(p, SamplingParams(max_tokens=m, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
-                for p, m in zip(prompts, lengths)]
+    isolated = [default_llm.generate(p, SamplingParams(max_tokens=m, ignore_eos=True), use_tqdm=False)[0]
+                .outputs[0].text for p, m in zip(prompts, lengths)]
     jobs = [(i % len(prompts), rng.random() < 0.2) for i in range(200)]
     rng.shuffle(jobs)
 

@@ -19,11 +19,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from .async_llm import AsyncLLM, EngineOverloaded, EngineUnavailable
-from .completions import Served, chat_completion, completion
+from .completions import Served, Stream, chat_completion, close_all, completion
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest
 from .prometheus import ServerMetrics
 
@@ -143,10 +144,11 @@ def build_app(llm: AsyncLLM, model_name: str, max_body_bytes: int = MAX_BODY_BYT
         log.exception("unexpected error serving %s", request.url.path)
         return error_response(OpenAIError(f"internal error: {type(e).__name__}", status=500, type="internal_error"))
 
-    async def respond(body_or_chunks):
-        if isinstance(body_or_chunks, dict):
-            return JSONResponse(body_or_chunks)
-        return EventSourceResponse(_sse(body_or_chunks), sep="\n", ping=15)
+    async def respond(body: dict | Stream):
+        if isinstance(body, dict):
+            return JSONResponse(body)
+        return EventSourceResponse(_sse(body.chunks), sep="\n", ping=15,
+                                   background=BackgroundTask(close_all, body.streams))
 
     def disconnected(request: Request):
         async def wait() -> None:

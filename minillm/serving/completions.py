@@ -77,7 +77,8 @@ def check_prompt(served: Served, token_ids: list[int], param: str) -> None:
         raise OpenAIError(str(e), param=param, code="context_length_exceeded" if too_long else None) from None
 
 
-def start(served: Served, request_id: str, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestStream]:
+def start(served: Served, request_id: str, prompts: list[list[int]],
+          params: list[SamplingParams]) -> list[RequestStream]:
     """Add one engine request per prompt; if one is refused, the ones already added are aborted."""
     streams: list[RequestStream] = []
     try:
@@ -128,6 +129,15 @@ async def close_all(streams: list[RequestStream]) -> None:
         await s.aclose()
 
 
+@dataclass
+class Stream:
+    """A streamed response: its chunks (JSON strings, then "[DONE]") and the engine requests behind them,
+    which the server closes when the response ends, even one that never started (the client left first)."""
+
+    chunks: AsyncIterator[str]
+    streams: list[RequestStream]
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -169,7 +179,8 @@ class _CompletionLogprobs:
                 "text_offset": self.text_offset}
 
 
-def prepare_completion(served: Served, req: CompletionRequest) -> tuple[list[list[int]], list[str], list[SamplingParams]]:
+def prepare_completion(served: Served,
+                       req: CompletionRequest) -> tuple[list[list[int]], list[str], list[SamplingParams]]:
     """Token ids, texts (for echo) and engine parameters of each prompt in the batch."""
     served.check_model(req.model)
     if (field := req.unsupported()) is not None:
@@ -201,14 +212,14 @@ def completion_choice(served: Served, index: int, c: CompletionOutput, prompt: l
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}, offset
 
 
-async def completion(served: Served, req: CompletionRequest, disconnected) -> dict | AsyncIterator[dict | str]:
+async def completion(served: Served, req: CompletionRequest, disconnected) -> dict | Stream:
     """The response body (non-streaming) or the chunks of the SSE stream (streaming)."""
     prompts, texts, params = prepare_completion(served, req)
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     streams = start(served, request_id, prompts, params)
     head = {"id": request_id, "object": "text_completion", "created": created, "model": served.model_name}
     if req.stream:
-        return _completion_chunks(served, req, streams, prompts, texts, head)
+        return Stream(_completion_chunks(served, req, streams, prompts, texts, head), streams)
     finals = await _finals(streams, disconnected)
     choices, completion_tokens = [], 0
     for i, out in enumerate(finals):
@@ -223,7 +234,7 @@ async def completion(served: Served, req: CompletionRequest, disconnected) -> di
 
 
 async def _completion_chunks(served: Served, req: CompletionRequest, streams: list[RequestStream],
-                             prompts: list[list[int]], texts: list[str], head: dict) -> AsyncIterator[dict | str]:
+                             prompts: list[list[int]], texts: list[str], head: dict) -> AsyncIterator[str]:
     opts = req.stream_options
     include_usage, continuous = bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
     prompt_tokens, completion_tokens = sum(map(len, prompts)), 0
@@ -303,14 +314,15 @@ def chat_logprobs(served: Served, c: CompletionOutput, top: int) -> dict:
     return {"content": content}
 
 
-async def chat_completion(served: Served, req: ChatCompletionRequest, disconnected) -> dict | AsyncIterator[dict | str]:
+async def chat_completion(served: Served, req: ChatCompletionRequest, disconnected) -> dict | Stream:
     ids, params = prepare_chat(served, req)
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     streams = start(served, request_id, [ids], [params])
     head = {"id": request_id, "object": "chat.completion", "created": created, "model": served.model_name}
     top = req.top_logprobs or 0
     if req.stream:
-        return _chat_chunks(served, req, streams[0], len(ids), {**head, "object": "chat.completion.chunk"}, top)
+        return Stream(_chat_chunks(served, req, streams[0], len(ids), {**head, "object": "chat.completion.chunk"},
+                                   top), streams)
     (out,) = await _finals(streams, disconnected)
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": chat_logprobs(served, c, top) if req.logprobs else None,
@@ -319,7 +331,7 @@ async def chat_completion(served: Served, req: ChatCompletionRequest, disconnect
 
 
 async def _chat_chunks(served: Served, req: ChatCompletionRequest, stream: RequestStream, prompt_tokens: int,
-                       head: dict, top: int) -> AsyncIterator[dict | str]:
+                       head: dict, top: int) -> AsyncIterator[str]:
     opts = req.stream_options
     include_usage, continuous = bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
     completion_tokens = 0

@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minillm import LLM, SamplingParams
-from minillm.roofline import engine_and_bare, matvec_step, measure_bandwidth, time_median
+from minillm.roofline import engine_and_bare, matvec_step, measure_bandwidth
 
 PROMPT = "Explain in a few sentences why generating text one token at a time is limited by memory bandwidth."
 TARGET = 0.85  # the engine should reach this share of the attainable ceiling (b)

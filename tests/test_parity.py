@@ -1,7 +1,6 @@
 """Truth test: the real default model through minillm equals transformers, token for token (fp32, CPU)."""
 
 import pytest
-import torch
 
 from conftest import requires_default_model
 from hf_reference import hf_greedy, load_hf

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import torch
@@ -42,3 +43,14 @@ def scrape(client: httpx.Client) -> dict[str, float]:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model_name")
             out[sample.name.removeprefix("minillm:") + (f"{{{labels}}}" if labels else "")] = sample.value
     return out
+
+
+def wait_idle(client: httpx.Client, seconds: float = 20) -> dict[str, float]:
+    """Poll /metrics until nothing runs or waits and no KV block is in use; the last scrape."""
+    deadline = time.monotonic() + seconds
+    while True:
+        m = scrape(client)
+        if m["num_requests_running"] == m["num_requests_waiting"] == m["kv_cache_usage_perc"] == 0:
+            return m
+        assert time.monotonic() < deadline, f"engine not idle: {m}"
+        time.sleep(0.05)

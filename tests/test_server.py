@@ -3,7 +3,6 @@ OpenAI body, overload, disconnects, and the vLLM extras (/tokenize, /detokenize,
 
 import json
 import socket
-import time
 
 import httpx
 import pytest
@@ -11,7 +10,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from minillm import LLM, SamplingParams
-from serving_utils import scrape, start_server, stream_json
+from serving_utils import start_server, stream_json, wait_idle
 
 MODEL = "test-model"
 PROMPT = "The quick brown fox"
@@ -28,17 +27,7 @@ def server(tiny_llama):
 def client(server):
     with httpx.Client(base_url=server.url, timeout=60) as c:
         yield c
-        idle(c)  # whatever a test sent, the engine ends idle with every KV block free
-
-
-def idle(client: httpx.Client) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        m = scrape(client)
-        if m["num_requests_running"] == m["num_requests_waiting"] == m["kv_cache_usage_perc"] == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"engine not idle: {m}")
+        wait_idle(c)  # whatever a test sent, the engine ends idle with every KV block free
 
 
 @pytest.fixture(scope="module")
@@ -241,5 +230,5 @@ def test_overload_is_429_with_retry_after(tiny_llama):
         for s in streams:
             s.__exit__(None, None, None)
         assert statuses[:2] == [200, 200] and 429 in statuses, statuses
-        idle(c)
+        wait_idle(c)
         assert c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200

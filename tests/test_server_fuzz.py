@@ -4,7 +4,6 @@ no KV block held."""
 
 import json
 import string
-import time
 
 import httpx
 import pytest
@@ -12,7 +11,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from minillm import LLM, SamplingParams
-from serving_utils import scrape, sse_events, start_server
+from serving_utils import sse_events, start_server, wait_idle
 
 ROUTES = {"/v1/completions": {"prompt": "The quick", "max_tokens": 4},
           "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
@@ -107,10 +106,7 @@ def test_random_requests_never_get_a_5xx(http, request):
 
 
 def test_after_the_fuzz_a_valid_request_is_still_right(server, http, tiny_llama):
-    deadline = time.monotonic() + 10
-    while (m := scrape(http))["kv_cache_usage_perc"] or m["num_requests_running"] or m["num_requests_waiting"]:
-        assert time.monotonic() < deadline, m
-        time.sleep(0.05)
+    wait_idle(http)
     want = LLM(tiny_llama, device="cpu", num_kv_blocks=64, block_size=4).generate(
         "The quick brown fox", SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
     r = http.post("/v1/completions", json={"prompt": "The quick brown fox", "max_tokens": 10, "temperature": 0,

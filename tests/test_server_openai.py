@@ -12,7 +12,7 @@ import pytest
 
 from conftest import requires_default_model
 from minillm import SamplingParams
-from serving_utils import scrape, start_server
+from serving_utils import scrape, start_server, wait_idle
 
 pytestmark = [pytest.mark.slow, requires_default_model]
 MODEL = "SmolLM2-135M-Instruct"
@@ -37,19 +37,6 @@ def http(server):
     with httpx.Client(base_url=server.url, timeout=120) as c:
         yield c
         wait_idle(c)
-
-
-def wait_idle(http: httpx.Client, seconds: float = 20) -> dict:
-    """Poll /metrics until nothing runs or waits and no KV block is in use; the last scrape."""
-    import time
-
-    deadline = time.monotonic() + seconds
-    while True:
-        m = scrape(http)
-        if m["num_requests_running"] == m["num_requests_waiting"] == m["kv_cache_usage_perc"] == 0:
-            return m
-        assert time.monotonic() < deadline, f"engine not idle: {m}"
-        time.sleep(0.05)
 
 
 def test_chat_with_the_openai_client_equals_llm_chat(client, http, default_llm):

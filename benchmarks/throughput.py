@@ -20,36 +20,10 @@ import time
 
 import torch
 
-from minillm import LLM, SamplingParams
-from minillm.bench import WORKLOADS, make_workload
+from minillm import LLM
+from minillm.bench import WORKLOADS, make_workload, run_hf, run_minillm
 
 STATIC_BATCH = 8
-
-
-def run_minillm(llm: LLM, work) -> dict:
-    prompts = [p for p, _ in work]
-    params = [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in work]
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    assert all(len(o.outputs[0].token_ids) == m for o, (_, m) in zip(outs, work))
-    return {"output_tokens": sum(m for _, m in work), "seconds": elapsed}
-
-
-@torch.inference_mode()
-def run_hf(model, work, batch: int, pad_id: int) -> dict:
-    """HF greedy generate in static batches (left padded); only each request's own tokens count as output."""
-    start = time.perf_counter()
-    for i in range(0, len(work), batch):
-        group = work[i:i + batch]
-        width = max(len(p) for p, _ in group)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in group])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group])
-        longest = max(m for _, m in group)
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                             do_sample=False, pad_token_id=pad_id)
-        assert out.shape[1] == width + longest
-    return {"output_tokens": sum(m for _, m in work), "seconds": time.perf_counter() - start}
 
 
 def prefill_tokens_per_s(llm: LLM, hf, prompts: list[list[int]]) -> tuple[float, float]:

@@ -20,6 +20,7 @@ from .metrics import SLO_KEYS, RequestMetrics, gamma_arrivals, summarize
 
 if TYPE_CHECKING:  # only for type hints: the HTTP client needs neither the engine nor PyTorch
     from .engine import LLMEngine
+    from .llm import LLM
     from .outputs import RequestOutput
     from .sampling import SamplingParams
 
@@ -173,6 +174,39 @@ def run_closed_loop(engine: LLMEngine, prompts: Sequence, params: SamplingParams
             ids.append(engine.add_request(None, prompts[len(ids)], params[len(ids)]))
         finished |= {o.request_id: o for o in engine.step() if o.finished and o.request_id in ids}
     return [finished[i] for i in ids]
+
+
+def run_minillm(llm: LLM, work: Sequence[tuple[list[int], int]]) -> dict[str, float]:
+    """Offline throughput: every (prompt ids, max_tokens) request submitted at once, greedy, each run to its
+    own length (ignore_eos); returns the output tokens and the seconds they took."""
+    from .sampling import SamplingParams
+
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in work]
+    start = time.perf_counter()
+    outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    if any(len(o.outputs[0].token_ids) != m for o, (_, m) in zip(outs, work)):
+        raise RuntimeError("a request stopped before its max_tokens")
+    return {"output_tokens": sum(m for _, m in work), "seconds": elapsed}
+
+
+def run_hf(model, work: Sequence[tuple[list[int], int]], batch: int, pad_id: int) -> dict[str, float]:
+    """The Hugging Face baseline: greedy `generate` in static batches of `batch` (left padded), each batch
+    running until its longest answer is done; only each request's own `max_tokens` count as output."""
+    import torch
+
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(work), batch):
+            group = work[i:i + batch]
+            width, longest = max(len(p) for p, _ in group), max(m for _, m in group)
+            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in group], device=model.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group], device=model.device)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest,
+                                 min_new_tokens=longest, do_sample=False, pad_token_id=pad_id)
+            if out.shape[1] != width + longest:
+                raise RuntimeError(f"generate returned {out.shape[1] - width} new tokens, expected {longest}")
+    return {"output_tokens": sum(m for _, m in work), "seconds": time.perf_counter() - start}
 
 
 # --- over HTTP: stream each request from an OpenAI-compatible server ----------------------------------------

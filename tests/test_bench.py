@@ -14,7 +14,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletionChunk
 
 from minillm.bench import (WORKLOADS, Chunk, corpus_ids, expand_token_times, for_endpoint, format_result, load_jsonl,
-                           main, make_workload, parse_goodput, run_http)
+                           main, make_workload, parse_goodput, run_hf, run_http, run_minillm)
 from minillm.metrics import RequestMetrics, check_slo, summarize
 from tiny_models import build_tokenizer
 
@@ -117,6 +117,23 @@ def test_chunk_read_openai_types():
     assert Chunk.read(chat, 2.0).text
     chat.choices = []
     assert Chunk.read(chat, 2.0) == Chunk(2.0, False, None)
+
+
+# --- offline throughput drivers: minillm against Hugging Face generate ----------------------------------------
+
+def test_throughput_drivers_count_each_requests_own_tokens(tiny_llama):
+    """Both drivers run every request to its own max_tokens; HF static batches of 1 and 3 (left padded) alike."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from minillm import LLM
+
+    llm = LLM(tiny_llama, device="cpu", dtype=torch.float32, num_kv_blocks=64)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    work = [(list(range(3, 3 + n)), m) for n, m in [(5, 4), (9, 2), (2, 7), (12, 1)]]
+    results = [run_minillm(llm, work), run_hf(hf, work, 1, 0), run_hf(hf, work, 3, 0)]
+    for r in results:
+        assert r["output_tokens"] == 14 and r["seconds"] > 0
 
 
 # --- report and command line ------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """Check every grader: the minillm reference must earn full marks; the untouched stub, a re-export of minillm
-and a copy of reference.py must earn exactly zero.
+and a copy of reference.py must earn exactly zero; and where an exercise keeps a solution written from its
+stub alone (`solution/<stub name>`), that solution must earn full marks too, which proves the stub's
+signatures and docstrings say everything the grader checks.
 
 `python -m exercises.selfcheck` prints one line per exercise and exits non-zero on any failure.
 """
@@ -52,21 +54,32 @@ def _grade_cheats(directory: Path) -> dict[str, list[TestResult]]:
         return {"re-export": run_grader(directory, str(reexport)), "reference copy": run_grader(directory, str(copy))}
 
 
+def _grade_solution(directory: Path, stub: Path) -> list[TestResult] | None:
+    """Grade the exercise's solution written from the stub alone, if it keeps one; None if it does not."""
+    solution = directory / "solution" / stub.name
+    return run_grader(directory, str(solution)) if solution.is_file() else None
+
+
 def check(directory: Path) -> tuple[bool, str]:
-    """Grade the reference, the untouched stub and minillm's code handed in as a submission; (ok, report lines)."""
+    """Grade the reference, the untouched stub, minillm's code handed in as a submission and the solution
+    written from the stub, if any; (ok, report lines)."""
     start = time.perf_counter()
     try:
-        stub_file(directory)
+        stub_path = stub_file(directory)
         ref, stub = run_grader(directory, "reference"), run_grader(directory, "stub")
         cheats = _grade_cheats(directory)
+        solution = _grade_solution(directory, stub_path)
     except RuntimeError as e:  # a GraderError, or no single stub file
         return False, f"{directory.name}: FAIL  grader error: {e}"
     (ref_earned, total), (stub_earned, _) = score(ref), score(stub)
     cheat_earned = {what: score(results)[0] for what, results in cheats.items()}
     problems = _problems(ref, stub, cheats)
+    if solution is not None:
+        problems += [f"    {r.name}: the solution from the stub fails: {r.reason}" for r in solution if not r.passed]
     ok = ref_earned == total and stub_earned == 0 and not any(cheat_earned.values()) and not problems
     line = (f"{directory.name}: {'ok' if ok else 'FAIL'}  reference {ref_earned:g}/{total:g}, "
-            f"stub {stub_earned:g}/{total:g}, "
+            + (f"solution from the stub {score(solution)[0]:g}/{total:g}, " if solution is not None else "")
+            + f"stub {stub_earned:g}/{total:g}, "
             + "".join(f"{what} {earned:g}/{total:g}, " for what, earned in cheat_earned.items())
             + f"{len(ref)} tests, {time.perf_counter() - start:.1f} s")
     return ok, "\n".join([line, *problems])

@@ -15,7 +15,8 @@ write these fields of a sequence:
 
 The engine drives the manager like this (minillm's Scheduler and LLMEngine.step):
 
-    allocate(seq)                       when the request is admitted (False: leave it waiting)
+    allocate(seq, reserve=w)            when the request is admitted (False: leave it waiting); w is the
+                                        scheduler's watermark while others run, 0 when none does
     can_grow(seq, n) / grow(seq, n)     before a step computes tokens up to position n - 1
     seq.num_cached_tokens += new tokens; commit(seq)     after the step ran
     free(seq)                           when the request finishes or is preempted
@@ -74,8 +75,13 @@ class BlockManager:
         """Blocks that hold num_tokens tokens: ceil(num_tokens / block_size)."""
         raise NotImplementedError("BlockManager.blocks_needed: write this method")
 
-    def allocate(self, seq) -> bool:
+    def allocate(self, seq, reserve: int = 0) -> bool:
         """Give a new (or preempted) sequence, whose block table is empty, blocks for all its tokens.
+
+        `reserve` is how many blocks must still be free afterwards. minillm's Scheduler passes its
+        watermark (1 % of the pool, rounded down) while other sequences are running, so that admitting
+        a newcomer leaves the running ones room to grow instead of forcing a preemption next step; it
+        passes 0 when nothing runs, and 0 (the default) admits whenever the blocks fit.
 
         Prefix hits (only with prefix caching): walk the sequence's FULL blocks from the first,
         computing each one's chained hash (`block_hash(previous hash or None, tuple of its tokens)`); a
@@ -85,8 +91,8 @@ class BlockManager:
         Count what is needed: fresh = blocks_needed(seq.num_tokens) - hits; reclaimed = hits whose
         reference count is 0 (cached, but sitting on the free list); copy = 1 if the hits cover every
         token of the sequence and the last hit block has a reference count > 0 (the last token will be
-        recomputed into it, so `grow` will have to copy it), else 0. If fresh + reclaimed + copy exceeds
-        the free blocks, return False and change nothing at all.
+        recomputed into it, so `grow` will have to copy it), else 0. If fresh + reclaimed + copy + reserve
+        exceeds the free blocks, return False and change nothing at all.
 
         Otherwise: take each hit block off the free list if it is there and add 1 to its reference
         count; the block table is the hits followed by `fresh` blocks taken from the free list;

@@ -35,9 +35,12 @@ class Script:
         self.log.append((label, result, state(self.bm, self.seqs.values())))
         return result
 
-    def allocate(self, name, token_ids):
+    def allocate(self, name, token_ids, reserve=0):
         self.seqs[name] = seq(name, token_ids)
-        return self.record(f"allocate({name}, {len(token_ids)} tokens)", self.bm.allocate(self.seqs[name]))
+        if not reserve:  # as the scheduler calls it when nothing else runs
+            return self.record(f"allocate({name}, {len(token_ids)} tokens)", self.bm.allocate(self.seqs[name]))
+        label = f"allocate({name}, {len(token_ids)} tokens, reserve={reserve})"
+        return self.record(label, self.bm.allocate(self.seqs[name], reserve=reserve))
 
     def step(self, name, new_tokens=None):
         """What the engine does for one step of the sequence: grow, compute, commit (and emit a token)."""
@@ -105,6 +108,20 @@ def test_allocate_refuses_without_changes(impl, ref):
         s.allocate("c", [1])              # and now nothing does
     both(impl, ref, scenario, 5, 4, False)
     both(impl, ref, scenario, 5, 4, True, where="with prefix caching")
+
+
+@pytest.mark.points(1)
+def test_allocate_keeps_the_reserve_free(impl, ref):
+    def scenario(s):
+        s.allocate("a", range(9))                    # 3 of 8 blocks; 5 free
+        s.allocate("b", range(100, 108), reserve=4)  # 2 blocks would leave 3 < 4 free: refused, no change
+        s.allocate("b", range(100, 108), reserve=3)  # leaves exactly 3: fits
+        s.step("b")
+        s.free("b")                                  # b's blocks go back to the free list, still cached
+        s.allocate("c", range(100, 108), reserve=4)  # hits reclaimed from the free list count too
+        s.allocate("c", range(100, 108), reserve=3)
+    both(impl, ref, scenario, 8, 4, True)
+    both(impl, ref, scenario, 8, 4, False, where="prefix caching off")
 
 
 @pytest.mark.points(2)

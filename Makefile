@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install test unit grade-check nbval book mathjax grade generate clean
+.PHONY: install test unit grade-check nbval book mathjax widgets check-book lab grade generate clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -53,9 +53,29 @@ $(MATHJAX):
 
 mathjax: $(MATHJAX)
 
+# The ipywidgets embed manager, so sliders render in the book from the state saved in each notebook
+# (no kernel, no CDN). embed.js bundles the core widgets (@jupyter-widgets/base, controls, output)
+# and needs no require.js; its fonts sit beside it. Served at _static/jupyter-widgets/ like MathJax.
+HTML_MANAGER_VERSION := 1.0.15
+WIDGETS_DIR          := book/_vendor/html/_static/jupyter-widgets
+WIDGETS              := book/_vendor/html-manager-$(HTML_MANAGER_VERSION).installed
+
+$(WIDGETS):
+	@command -v npm >/dev/null || { echo "make book needs npm to fetch the widget manager (Debian: apt-get install npm)"; exit 1; }
+	rm -rf book/_vendor/npm-widgets $(WIDGETS_DIR) book/_vendor/html-manager-*.installed
+	mkdir -p book/_vendor/npm-widgets $(dir $(WIDGETS_DIR))
+	npm pack --silent --pack-destination book/_vendor/npm-widgets @jupyter-widgets/html-manager@$(HTML_MANAGER_VERSION) >/dev/null
+	tar -xzf book/_vendor/npm-widgets/jupyter-widgets-html-manager-$(HTML_MANAGER_VERSION).tgz -C book/_vendor/npm-widgets
+	rm -f book/_vendor/npm-widgets/package/dist/*.map book/_vendor/npm-widgets/package/dist/*-amd.js
+	mv book/_vendor/npm-widgets/package/dist $(WIDGETS_DIR)
+	rm -rf book/_vendor/npm-widgets
+	touch $@
+
+widgets: $(WIDGETS)
+
 # Every notebook is executed afresh (execute_notebooks: force, and --all re-reads every page),
 # so the book never shows outputs computed with an older minillm/. Zero warnings allowed.
-book: $(STAMP) $(MATHJAX)
+book: $(STAMP) $(MATHJAX) $(WIDGETS)
 	rm -rf _build/html _build/jupyter_execute
 	$(BIN)/jupyter-book build --all -W -n --keep-going .
 

@@ -39,9 +39,12 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: 
                     scale: float | None = None) -> torch.Tensor:
     """Single-head attention q [n, d], k, v [m, d] -> [n, d] in q's dtype, visiting the keys block_n at a time.
 
-    Keep, per query row, a running max m, a running sum l of exp(s - m) and an unnormalized output acc,
-    updated block by block (never build the whole [n, m] score matrix); divide by l once at the end.
+    Keep, per query row, a running max m, a running sum l of exp(s - m) and an unnormalized output acc.
+    Visit the key blocks once each, in order (keys [0, block_n), then [block_n, 2 * block_n), ...), score
+    each block against all n queries at once ([n, block_n]) and fold it into the state before the next;
+    never build the whole [n, m] score matrix (nor anything as large); divide by l once at the end.
     scale defaults to d ** -0.5. causal: query i sees keys j <= i + (m - n) (aligned to the bottom right,
-    as flash-attn does when n != m); a row that sees no key returns zeros.
+    as flash-attn does when n != m); a row that sees no key returns zeros. Write it with PyTorch operations:
+    the grader watches them to check the tiling.
     """
     raise NotImplementedError("tiled_attention: write this function")

@@ -1,8 +1,13 @@
-"""Grader for exercise 5: your online-softmax pieces against minillm's, and the properties that make them exact."""
+"""Grader for exercise 5: your online-softmax pieces against minillm's, the properties that make them exact,
+and the tiling itself: which key blocks tiled_attention visits, in what order, what it keeps between them."""
+
+import math
 
 import pytest
 import torch
 from torch.testing import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def randn(*shape, seed, dtype=torch.float32, scale=1.0):
@@ -121,3 +126,106 @@ def test_tiled_attention_bfloat16(impl, ref):
     assert out.dtype == torch.bfloat16, f"return q's dtype; got {out.dtype}"
     assert_close(out, ref.tiled_attention(q, k, v, block_n=4, causal=True), atol=2e-2, rtol=2e-2,
                  msg=lambda e: f"bf16 (accumulate in float32): {e}")
+
+
+# The tiling tests watch every PyTorch operation tiled_attention runs and find its work by value: the scores of
+# each key block, the running state after each block. Sizes are chosen so that nothing a tiled loop needs (k or v
+# whole, one [n, block_n] block of scores, the [n, d] accumulator) is as large as the [n, m] score matrix.
+N, M, D, BLOCK = 12, 96, 8, 8  # 12 blocks of 8 keys
+
+
+class OpLog(TorchDispatchMode):
+    """Records a copy of every tensor each PyTorch operation returns while active, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.outputs += [t.detach().clone() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+
+def run_logged(impl, q, k, v, causal=False):
+    with OpLog() as log:
+        out = impl.tiled_attention(q, k, v, block_n=BLOCK, causal=causal)
+    assert_close(out, full_attention(q, k, v, D ** -0.5, causal), msg=lambda e: f"wrong result: {e}")
+    return log.outputs
+
+
+def holds(t, want):
+    """Whether tensor t holds the values of `want` (shapes may differ by size-1 dims or a transpose)."""
+    if not t.is_floating_point() or t.numel() != want.numel():
+        return False
+    t = t.double().reshape(-1, *want.shape[1:]) if want.dim() > 1 else t.double().reshape(-1)
+    if t.shape != want.shape:
+        return False
+    return torch.allclose(t, want, rtol=1e-4, atol=1e-5) or (
+        want.dim() == 2 and torch.allclose(t.reshape(want.shape[::-1]).T, want, rtol=1e-4, atol=1e-5))
+
+
+def tiling_inputs():
+    q, k, v = qkv(N, M, D, seed=90, scale=1.5)
+    scores = (q.double() @ k.double().T) * D ** -0.5
+    return q, k, v, scores
+
+
+def blocks(scores):
+    """Per key block: its key range, its scores in the forms a loop may compute them (raw, scaled, base 2)."""
+    raw = scores / D ** -0.5
+    return [(start, min(start + BLOCK, M), [x[:, start:start + BLOCK] for x in (raw, scores, scores / math.log(2))])
+            for start in range(0, M, BLOCK)]
+
+
+def block_visits(outputs, scores):
+    """(position in the log, key block) for each operation whose result is one key block's scores for every query."""
+    found = []
+    for i, t in enumerate(outputs):
+        if t.dim() >= 2 and BLOCK in t.shape:
+            found += [(i, j) for j, (_, _, forms) in enumerate(blocks(scores)) if any(holds(t, f) for f in forms)]
+    return found
+
+
+@pytest.mark.points(2)
+def test_tiled_attention_visits_key_blocks_in_order(impl, ref):
+    q, k, v, scores = tiling_inputs()
+    visits = [j for _, j in block_visits(run_logged(impl, q, k, v), scores)]
+    for j, (start, end, _) in enumerate(blocks(scores)):
+        assert j in visits, (f"no scores of key block {j} (keys {start}..{end - 1}) for all {N} queries: score q "
+                             f"against one block of {BLOCK} keys at a time")
+    order = [j for i, j in enumerate(visits) if i == 0 or j != visits[i - 1]]
+    assert order == sorted(set(order)), (f"key blocks not visited once each in order 0..{len(blocks(scores)) - 1} "
+                                         f"(a second pass?): saw {order}")
+
+
+@pytest.mark.points(2)
+def test_tiled_attention_never_builds_the_score_matrix(impl, ref):
+    q, k, v, _ = tiling_inputs()
+    for causal in (False, True):
+        biggest = max(run_logged(impl, q, k, v, causal), key=torch.Tensor.numel, default=torch.empty(0))
+        assert biggest.numel() < N * M, (
+            f"a {list(biggest.shape)} tensor is as large as the [{N}, {M}] score matrix (causal={causal}): keep one "
+            f"[{N}, {BLOCK}] block of scores and per-row state")
+
+
+@pytest.mark.points(2)
+def test_tiled_attention_running_state_after_each_block(impl, ref):
+    q, k, v, scores = tiling_inputs()
+    outputs = run_logged(impl, q, k, v)
+    firsts = {}
+    for i, j in block_visits(outputs, scores):
+        firsts.setdefault(j, i)
+    for j, (start, end, _) in enumerate(blocks(scores)):
+        if j not in firsts:
+            pytest.fail(f"no scores of key block {j}, so no state after it (see the visiting order)", pytrace=False)
+        window = outputs[firsts[j]:firsts.get(j + 1, len(outputs))]  # from block j's scores to block j + 1's
+        seen = scores[:, :end]
+        m = seen.amax(dim=-1)
+        l = torch.exp(seen - m[:, None]).sum(dim=-1)
+        acc = torch.exp(seen - m[:, None]) @ v.double()[:end]
+        has = lambda *wants: any(holds(t, w) for t in window for w in wants)  # noqa: E731
+        assert (has(m, m / math.log(2)) and has(l)) or has(m + torch.log(l)), (
+            f"after key block {j}, no running max and sum (or lse) equal to the exact ones over keys 0..{end - 1}")
+        assert has(acc, acc / l[:, None]), (
+            f"after key block {j}, no running output (acc or acc / l) equal to the exact one over keys 0..{end - 1}")

@@ -73,11 +73,24 @@ $(WIDGETS):
 
 widgets: $(WIDGETS)
 
+# JupyterLab on the chapters, with this environment's kernel (JUPYTER_PATH puts .venv's kernel spec
+# ahead of any user-wide one), listening on 127.0.0.1 only. Widgets work live: moving a slider re-runs
+# its function in the kernel. Ctrl-C stops it. As root (a container), Jupyter needs allow_root.
+lab: $(STAMP)
+	JUPYTER_PATH=$(abspath $(VENV))/share/jupyter $(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 \
+		--ServerApp.root_dir=chapters $(if $(filter 0,$(shell id -u)),--ServerApp.allow_root=True) $(LAB_ARGS)
+
 # Every notebook is executed afresh (execute_notebooks: force, and --all re-reads every page),
 # so the book never shows outputs computed with an older minillm/. Zero warnings allowed.
 book: $(STAMP) $(MATHJAX) $(WIDGETS)
 	rm -rf _build/html _build/jupyter_execute
 	$(BIN)/jupyter-book build --all -W -n --keep-going .
+	@$(MAKE) --no-print-directory check-book
+
+# Opens every built page in headless Chromium without network: math typeset, widgets drawn, images
+# loaded, nothing fetched from another host. Skips (and says how to install Chromium) without one.
+check-book:
+	$(BIN)/python scripts/check_book.py _build/html
 
 clean:
 	rm -rf _build

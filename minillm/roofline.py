@@ -3,7 +3,8 @@
 Prefill and decode run the same layers; what differs is how many tokens share each read of the weights.
 `prefill_costs` and `decode_costs` count both, op by op; `measure_bandwidth` and `measure_matmul_flops`
 measure the machine's two roofs (bytes/s and FLOP/s), whose ratio, the ridge point, splits memory-bound
-work from compute-bound work.
+work from compute-bound work; `measure_cache_bandwidth` and `cpu_cache_sizes` place the caches above the
+memory (chapter 3's memory hierarchy).
 
 Conventions: a multiply-add is 2 FLOPs (as `torch.utils.flop_counter` counts matmuls); softmax, RMSNorm,
 RoPE and SwiGLU are counted at a few FLOPs per element (stated at each op); bytes are the ideal traffic,
@@ -16,6 +17,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -170,6 +172,33 @@ def measure_bandwidth(kind: str = "triad", nbytes: int | None = None, device=Non
         raise ValueError(f"kind {kind!r} is not a bandwidth kernel; use one of {sorted(kernels)}")
     fn, arrays = kernels[kind]
     return arrays * n * 4 / time_median(fn, device, repeats)
+
+
+def measure_cache_bandwidth(nbytes: int, device=None, read_bytes: int = 1 << 26, repeats: int = 5) -> float:
+    """Read bandwidth in bytes/s of a working set of `nbytes`, summed over `read_bytes` in all: a stride-0 view
+    rereads the same array, so it stays in whichever cache level holds it (beyond every cache, memory's rate)."""
+    if nbytes < 4:
+        raise ValueError(f"a working set needs at least one float32 (4 bytes), got {nbytes} bytes")
+    device = _default_device(device)
+    n, passes = nbytes // 4, max(1, read_bytes // nbytes)
+    rereads = torch.rand(n, device=device).expand(passes, n)  # passes x n elements, n of them in memory
+    return passes * n * 4 / time_median(lambda: rereads.sum(), device, repeats)
+
+
+def cpu_cache_sizes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> dict[str, int]:
+    """Bytes of each data cache of the first CPU core as Linux reports it ({"L1d": .., "L2": .., "L3": ..});
+    empty where the system does not say (not Linux, or a container that hides /sys)."""
+    sizes, units = {}, {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    for index in sorted(Path(root).glob("index*")):
+        try:
+            level, kind, size = ((index / name).read_text().strip() for name in ("level", "type", "size"))
+        except OSError:
+            continue
+        if kind == "Instruction":
+            continue
+        name = f"L{level}" + ("d" if kind == "Data" else "")
+        sizes[name] = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    return sizes
 
 
 def measure_matmul_flops(n: int | None = None, dtype: torch.dtype | None = None, device=None,

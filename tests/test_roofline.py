@@ -133,3 +133,21 @@ def test_measurements_are_positive_and_checked():
     assert rl.measure_matmul_flops(n=128, device="cpu", repeats=3) > 1e8
     with pytest.raises(ValueError, match="bandwidth kernel"):
         rl.measure_bandwidth("scale", nbytes=1 << 20)
+
+
+def test_cache_bandwidth_rereads_a_small_working_set():
+    small = rl.measure_cache_bandwidth(1 << 14, device="cpu", read_bytes=1 << 22, repeats=3)
+    assert math.isfinite(small) and small > 1e8
+    with pytest.raises(ValueError, match="at least one float32"):
+        rl.measure_cache_bandwidth(2)
+
+
+def test_cpu_cache_sizes_from_sysfs(tmp_path):
+    for i, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "1024K"),
+                                             (3, "Unified", "32M")]):
+        index = tmp_path / f"index{i}"
+        index.mkdir()
+        for name, value in (("level", level), ("type", kind), ("size", size)):
+            (index / name).write_text(f"{value}\n")
+    assert rl.cpu_cache_sizes(str(tmp_path)) == {"L1d": 48 << 10, "L2": 1 << 20, "L3": 32 << 20}
+    assert rl.cpu_cache_sizes(str(tmp_path / "absent")) == {}

@@ -1,5 +1,6 @@
 """Exercise 0 — warm-up: RMSNorm and rotary position embeddings (RoPE).
 
+Chapter 0, section 0.5 "Inside the model", shows both pieces at work in SmolLM2's forward pass.
 Replace each `raise NotImplementedError(...)` with your code, then run `make grade CH=00`.
 Use plain PyTorch; do not import minillm (that is what you are rebuilding).
 """

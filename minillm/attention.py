@@ -28,6 +28,7 @@ class AttentionMetadata:
     query_lens: list[int]       # new tokens of each sequence
     num_prefills: int           # the first num_prefills sequences are prefills, the rest decodes
     use_triton: bool = False    # attend with minillm.kernels (Triton) instead of plain PyTorch
+    use_cpu_kernel: bool = False  # decode through the C kernel of minillm.kernels.cpu (float32 on a CPU)
 
     def __post_init__(self) -> None:
         p = self.num_prefills
@@ -147,7 +148,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     p = meta.num_prefill_tokens
     prefill, decode = (triton_prefill_attention, triton_decode_attention) if meta.use_triton else \
-        (prefill_attention, decode_attention)
+        (prefill_attention, cpu_decode_attention if meta.use_cpu_kernel else decode_attention)
     if meta.prefill is None:  # a decode-only step, the common case
         return decode(q, k_cache, v_cache, meta.decode, scale)
     parts = []
@@ -156,6 +157,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if meta.decode is not None:
         parts.append(decode(q[p:], k_cache, v_cache, meta.decode, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: _Part,
+                         scale: float) -> torch.Tensor:
+    """`decode_attention` through the C kernel, which reads the keys and values in place instead of copying
+    them out of the pool first (int32 block tables and lengths, as the model runner builds them)."""
+    from .kernels.cpu import paged_decode_unchecked
+
+    return paged_decode_unchecked(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
 
 
 def triton_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -118,6 +118,10 @@ class KVCache:
         return self.k.shape[2]
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from .attention import AttentionMetadata
-from .kernels import use_triton
+from .kernels import use_cpu_kernel, use_triton
 from .kv_cache import KVCache
 from .model import CausalLM
 from .sampling import TokenLogprobs, logprobs_of, sample
@@ -22,6 +22,7 @@ class ModelRunner:
         self.model, self.kv_cache, self.device = model, kv_cache, device
         self.block_size = kv_cache.block_size
         self.use_triton = use_triton(device)  # the one place the attention path is chosen
+        self.use_cpu_kernel = not self.use_triton and use_cpu_kernel(device, kv_cache.dtype)
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -43,11 +44,14 @@ class ModelRunner:
         width = max(len(s.block_table) for s in seqs)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
-            block_tables=self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
-            context_lens=self._tensor([s.num_cached_tokens + n for s, n in zip(seqs, num_new_tokens)]).int(),
+            block_tables=torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                                      dtype=torch.int32, device=self.device),
+            context_lens=torch.tensor([s.num_cached_tokens + n for s, n in zip(seqs, num_new_tokens)],
+                                      dtype=torch.int32, device=self.device),
             query_lens=num_new_tokens,
             num_prefills=sum(n > 1 for n in num_new_tokens),
             use_triton=self.use_triton,
+            use_cpu_kernel=self.use_cpu_kernel,
         )
         return self._tensor(ids), self._tensor(positions), meta, seqs
 

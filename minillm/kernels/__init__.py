@@ -1,7 +1,8 @@
 """minillm's Triton kernels: FlashAttention (dense, packed varlen, paged KV cache) and a tiled matmul (`.matmul`).
 
 The attention functions have the `flash_attn` package's signatures; `reference` holds plain PyTorch versions
-with the same signatures, and `use_triton(device)` is the one place that decides which path runs. Importing
+with the same signatures, and `use_triton(device)` is the one place that decides which path runs (on a CPU,
+`use_cpu_kernel` chooses the C decode kernel of `.cpu` over PyTorch's gather-then-SDPA). Importing
 this package never imports triton (a Linux-only dependency): the kernel modules load on first use.
 """
 
@@ -10,13 +11,13 @@ from __future__ import annotations
 from importlib import import_module
 
 from . import reference
-from .backend import interpreting, triton_available, use_triton
+from .backend import interpreting, triton_available, use_cpu_kernel, use_triton
 from .online_softmax import combine_partials, merge_partials, partial_attention, tiled_attention
 
 _LAZY = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")  # from .api, on first use
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "reference",
-           "use_triton", "triton_available", "interpreting", "partial_attention", "merge_partials",
+           "use_triton", "use_cpu_kernel", "triton_available", "interpreting", "partial_attention", "merge_partials",
            "combine_partials", "tiled_attention"]
 
 

@@ -22,6 +22,13 @@ if not torch.cuda.is_available():
 ENV = "MINILLM_ATTENTION"  # "auto" (default), "triton" or "torch"
 
 
+def _choice() -> str:
+    choice = os.environ.get(ENV, "auto").lower()
+    if choice not in ("auto", "triton", "torch"):
+        raise ValueError(f"${ENV}={choice!r}; expected 'auto', 'triton' or 'torch'")
+    return choice
+
+
 def triton_available() -> bool:
     """Whether the `triton` package is installed (it is a Linux-only dependency)."""
     return importlib.util.find_spec("triton") is not None
@@ -44,9 +51,7 @@ def use_triton(device: torch.device | str | None = None) -> bool:
     `$MINILLM_ATTENTION` decides: "torch" never, "triton" always (on a CPU that means the interpreter, for
     tests and teaching), "auto" (unset) on CUDA devices only.
     """
-    choice = os.environ.get(ENV, "auto").lower()
-    if choice not in ("auto", "triton", "torch"):
-        raise ValueError(f"${ENV}={choice!r}; expected 'auto', 'triton' or 'torch'")
+    choice = _choice()
     device_type = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     if choice == "torch" or (choice == "auto" and device_type != "cuda"):
         return False
@@ -58,3 +63,13 @@ def use_triton(device: torch.device | str | None = None) -> bool:
         raise RuntimeError(f"${ENV}=triton on a CPU needs TRITON_INTERPRET=1 set before triton is imported "
                            "(import minillm before transformers' model classes, which import triton)")
     return True
+
+
+def use_cpu_kernel(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """True when decode attention should run through the C kernel (`minillm.kernels.cpu`): on a CPU, for
+    float32, with `$MINILLM_ATTENTION` unset or "auto", and when the kernel builds on this machine."""
+    if _choice() != "auto" or torch.device(device).type != "cpu" or dtype != torch.float32:
+        return False
+    from .cpu import cpu_kernel_available
+
+    return cpu_kernel_available()

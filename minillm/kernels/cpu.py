@@ -1,0 +1,105 @@
+"""The CPU decode kernel: paged attention in C (`paged_decode.c`), compiled at first use and called through ctypes.
+
+PyTorch has no attention over a paged cache, so its decode path first copies each sequence's keys and values
+out of the pool (`index_select`) and then runs SDPA over the copy: the context is read twice and written
+once. At batch 32 that copy costs as much as the attention itself. The C kernel reads every key and value
+row where it lies, once. It is built with the machine's C compiler (`$CC`, default `cc`) for this CPU
+(`-march=native`, vectorized `expf` from glibc's libmvec) into the cache directory, and shares PyTorch's
+OpenMP runtime, so `torch.set_num_threads` sets its threads too. Without a compiler the PyTorch path runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+# Linked without -ffast-math: a shared library linked with it sets flush-to-zero for the whole process.
+LINK_FLAGS = ["-shared", "-fopenmp"]
+
+
+def _build(directory: Path) -> Path:
+    """Compile and link the kernel into `directory` (named by a hash of source and flags); its path."""
+    compiler = os.environ.get("CC", "cc")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *COMPILE_FLAGS, *LINK_FLAGS]).encode()).hexdigest()[:16]
+    library = directory / f"paged_decode_{key}.so"
+    if library.exists():
+        return library
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:  # built aside, then renamed: safe for parallel builds
+        obj, lib = Path(tmp) / "paged_decode.o", Path(tmp) / library.name
+        for cmd in ([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+                    [compiler, *LINK_FLAGS, str(obj), "-o", str(lib), "-lmvec", "-lm"]):
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+        os.replace(lib, library)
+    return library
+
+
+@functools.cache
+def _kernel():
+    """The compiled function, or None when it cannot be built here (no compiler, not Linux/glibc)."""
+    from ..weights import cache_dir
+
+    try:
+        lib = ctypes.CDLL(str(_build(cache_dir() / "kernels")))
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    fn = lib.paged_decode_f32
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
+    return fn
+
+
+def cpu_kernel_available() -> bool:
+    """Whether the C decode kernel is built (building it now if needed) and loadable on this machine."""
+    return _kernel() is not None
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(scale * q K^T) V for one query token per sequence, `q: [seqs, heads, dim]` (float32, CPU), over
+    the first `context_lens[s]` cached tokens of each sequence, read through `block_tables` from the paged
+    `[blocks, block_size, kv_heads, dim]` caches. Equals `minillm.attention.decode_attention`."""
+    fn = _kernel()
+    if fn is None:
+        raise RuntimeError("the C decode kernel could not be built here (is a C compiler installed?)")
+    if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (q, k_cache, v_cache)) \
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous() and q[0].is_contiguous()):
+        raise ValueError("paged_decode_attention takes float32 CPU tensors, the caches contiguous and each "
+                         "sequence's query heads contiguous")
+    seqs, heads, dim = q.shape
+    blocks, block_size, kv_heads, _ = k_cache.shape
+    if heads % kv_heads or k_cache.shape[3] != dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+                         f"v_cache {tuple(v_cache.shape)}")
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    if tables.shape[0] != seqs or lens.shape != (seqs,):
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
+                         f"must have one row per sequence ({seqs})")
+    if lens.numel() and (int(lens.min()) < 1 or int(lens.max()) > tables.shape[1] * block_size):
+        raise ValueError("every context length must be at least 1 and fit in its block table")
+    if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= blocks):
+        raise ValueError(f"block_tables name blocks outside the cache's {blocks}")
+    return paged_decode_unchecked(q, k_cache, v_cache, tables, lens, scale)
+
+
+def paged_decode_unchecked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                           lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """`paged_decode_attention` without its checks, for the engine, whose metadata is built to fit (int32
+    `tables` and `lens`, contiguous): checking at every layer would cost more than the kernel saves at batch 1."""
+    seqs, heads, dim = q.shape
+    out = torch.empty(seqs, heads, dim)
+    _kernel()(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+              out.data_ptr(), seqs, heads, k_cache.shape[2], dim, k_cache.shape[1], tables.shape[1], scale,
+              q.stride(0))
+    return out

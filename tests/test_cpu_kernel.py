@@ -1,0 +1,61 @@
+"""The C decode kernel against the PyTorch decode path it replaces, and the engine's choice between them."""
+
+import pytest
+import torch
+
+from minillm.attention import _Part, decode_attention
+from minillm.kernels import use_cpu_kernel
+from minillm.kernels.cpu import cpu_kernel_available, paged_decode_attention
+
+pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="no C compiler to build the kernel with")
+
+
+def paged_case(seed, batch, heads, kv_heads, dim, block_size, max_len, num_blocks=200):
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen) for _ in range(2))
+    lens = torch.randint(1, max_len + 1, (batch,), generator=gen, dtype=torch.int32)
+    width = -(-int(lens.max()) // block_size)
+    tables = torch.randperm(num_blocks, generator=gen)[:batch * width].view(batch, width).int()
+    q = torch.randn(batch, heads, dim, generator=gen)
+    return q, k_cache, v_cache, tables, lens
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,dim,block_size,max_len", [
+    (1, 9, 3, 64, 16, 1), (1, 9, 3, 64, 16, 37), (7, 9, 3, 64, 16, 100), (5, 8, 8, 32, 4, 50),
+    (3, 8, 1, 128, 8, 61), (16, 4, 2, 16, 1, 9)])
+def test_matches_torch_decode(batch, heads, kv_heads, dim, block_size, max_len):
+    q, k_cache, v_cache, tables, lens = paged_case(batch * max_len, batch, heads, kv_heads, dim, block_size, max_len)
+    expected = decode_attention(q, k_cache, v_cache, _Part(tables, lens, [1] * batch), dim ** -0.5)
+    got = paged_decode_attention(q, k_cache, v_cache, tables, lens, dim ** -0.5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_strided_queries_and_int64_tables():
+    """The engine's queries are a view into the fused q/k projection: rows further apart than heads * dim."""
+    q, k_cache, v_cache, tables, lens = paged_case(0, 6, 9, 3, 64, 16, 70)
+    wide = torch.randn(6, 15, 64)
+    wide[:, :9] = q
+    got = paged_decode_attention(wide[:, :9], k_cache, v_cache, tables.long(), lens.long(), 0.125)
+    torch.testing.assert_close(got, paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125))
+
+
+def test_refuses_what_it_cannot_read():
+    q, k_cache, v_cache, tables, lens = paged_case(1, 2, 4, 2, 8, 4, 10, num_blocks=8)
+    with pytest.raises(ValueError, match="float32"):
+        paged_decode_attention(q.double(), k_cache, v_cache, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="fit in its block table"):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens + 100, 1.0)
+    with pytest.raises(ValueError, match="at least 1"):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens * 0, 1.0)
+    with pytest.raises(ValueError, match="outside the cache"):
+        paged_decode_attention(q, k_cache, v_cache, tables + 8, lens, 1.0)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        paged_decode_attention(q[:, :3], k_cache, v_cache, tables, lens, 1.0)
+
+
+def test_choice(monkeypatch):
+    monkeypatch.delenv("MINILLM_ATTENTION", raising=False)
+    assert use_cpu_kernel("cpu", torch.float32)
+    assert not use_cpu_kernel("cpu", torch.bfloat16) and not use_cpu_kernel("cuda", torch.float32)
+    monkeypatch.setenv("MINILLM_ATTENTION", "torch")
+    assert not use_cpu_kernel("cpu", torch.float32)

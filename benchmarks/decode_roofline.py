@@ -14,6 +14,7 @@ With `MINILLM_HUGE_PAGES=0` in the environment the weights stay in 4 KiB pages (
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -24,7 +25,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minillm import LLM, SamplingParams
+from minillm import LLM, SamplingParams, threads
 from minillm.roofline import engine_and_bare, matvec_step, measure_bandwidth
 
 PROMPT = "Explain in a few sentences why generating text one token at a time is limited by memory bandwidth."
@@ -84,10 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="also profile the engine's decode steps")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1, as in the chapters: on a shared CPU more threads wait "
-                             "on each other at every small op; 0 = torch's own choice)")
+                             "on each other at every small op; 0 = the engine's default, all cores but one)")
     args = parser.parse_args(argv)
     if args.threads:
-        torch.set_num_threads(args.threads)
+        os.environ[threads.ENV] = str(args.threads)  # the engine sets it when built
 
     from transformers import AutoModelForCausalLM
 

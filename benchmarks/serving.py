@@ -31,7 +31,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minillm import LLM, SamplingParams
+from minillm import LLM, SamplingParams, threads
 from minillm.bench import make_workload, run_http
 
 OVERHEAD_TARGET = 0.9
@@ -99,7 +99,7 @@ def main() -> None:
     parser.add_argument("--ttft-requests", type=int, default=10, help="prompts timed one at a time")
     parser.add_argument("--threads", type=int, default=1, help="PyTorch threads of both engines")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    os.environ[threads.ENV] = str(args.threads)  # the offline engine sets it when built
 
     llm = LLM()
     tok = llm.get_tokenizer()

@@ -21,6 +21,7 @@ from .outputs import RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
+from .threads import configure_threads
 from .weights import check_architecture, resolve_model
 
 CPU_KV_CACHE_BYTES = 1 << 30  # on a CPU the pool is fixed at 1 GiB, plenty for the default model
@@ -51,6 +52,8 @@ class LLMEngine:
         check_architecture(self.path)
         self.config = ModelConfig.from_dir(self.path)
         self.device, self.dtype = default_device_dtype(device, dtype)
+        if self.device.type == "cpu":
+            configure_threads()
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
         self.model = load_model(self.path, self.config, self.dtype, self.device, load_format)
         if num_kv_blocks is None:
@@ -73,6 +76,32 @@ class LLMEngine:
         self._ids = itertools.count()
         self._step_lock = threading.Lock()
         self._ready: list[RequestOutput] = []  # final outputs of aborts applied between steps
+        self.warmup_seconds = self._warm_up()
+
+    def _warm_up(self, prompt_tokens: int = 16, decode_steps: int = 2) -> float:
+        """Run a throwaway sequence through a prefill and a few decode steps before any request comes, so the
+        first request does not pay for first calls (kernel selection and memory pools on a CPU; Triton's
+        compilation on a GPU). Its blocks are freed, nothing is cached or counted. Returns the seconds taken."""
+        start = time.perf_counter()
+        n = max(1, min(prompt_tokens, self.max_model_len - decode_steps - 1))
+        seq = Sequence("warm-up", None, [0] * n, SamplingParams(max_tokens=decode_steps), RequestMetrics(start))
+        bm = self.block_manager
+        counters = bm.hit_tokens, bm.query_tokens
+        try:
+            if not bm.allocate(seq):
+                return 0.0  # a pool too small for even this: nothing to warm
+            for _ in range(decode_steps + 1):
+                if not bm.can_grow(seq, seq.num_tokens):
+                    break
+                step = SchedulerOutput(block_copies=bm.grow(seq, seq.num_tokens))
+                step.add(seq, seq.num_uncomputed_tokens)
+                (result,) = self.runner.run(step)
+                seq.num_cached_tokens = seq.num_tokens
+                seq.output_token_ids.append(result.token)
+        finally:
+            bm.free(seq)
+            bm.hit_tokens, bm.query_tokens = counters
+        return time.perf_counter() - start
 
     def _kv_budget(self) -> int:
         if self.device.type != "cuda":

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .attention import AttentionMetadata
 from .kernels import use_cpu_kernel, use_triton
@@ -51,7 +52,9 @@ class ModelRunner:
             query_lens=num_new_tokens,
             num_prefills=sum(n > 1 for n in num_new_tokens),
             use_triton=self.use_triton,
-            use_cpu_kernel=self.use_cpu_kernel,
+            # the C kernel bypasses PyTorch's dispatcher: under a dispatch mode (FlopCounterMode, fake tensors)
+            # the PyTorch path runs instead, so the mode sees the attention
+            use_cpu_kernel=self.use_cpu_kernel and _get_current_dispatch_mode() is None,
         )
         return self._tensor(ids), self._tensor(positions), meta, seqs
 

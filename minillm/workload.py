@@ -9,6 +9,8 @@ import platform
 
 import torch
 
+from . import threads
+
 ON_GPU = torch.cuda.is_available()
 
 
@@ -25,6 +27,7 @@ def setup_chapter() -> str:
     measures this). Timings in the book are medians of repeated runs (`minillm.roofline.time_median`).
     """
     if not ON_GPU:
+        os.environ[threads.ENV] = "1"  # so that engines built in the chapter keep to one thread too
         torch.set_num_threads(1)
     return describe_machine()
 

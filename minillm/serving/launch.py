@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import socket
 import sys
 import threading
@@ -17,6 +18,7 @@ import time
 
 import uvicorn
 
+from .. import threads
 from .api_server import build_app
 from .async_llm import AsyncLLM
 
@@ -121,7 +123,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequences allowed to wait; beyond this a request gets 429 with Retry-After")
     parser.add_argument("--drain-seconds", type=float, default=5.0,
                         help="on SIGINT/SIGTERM, how long requests in flight may run before they are aborted")
-    parser.add_argument("--threads", type=int, default=None, help="PyTorch intra-op threads (default: PyTorch's)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="PyTorch intra-op threads (default: $MINILLM_NUM_THREADS, else all cores but one)")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
@@ -132,7 +135,7 @@ def serve(args: argparse.Namespace) -> int:
     from ..engine import LLMEngine
 
     if args.threads is not None:
-        torch.set_num_threads(args.threads)
+        os.environ[threads.ENV] = str(args.threads)  # the engine sets it when built
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = LLMEngine(args.model, args.device, args.dtype, block_size=args.block_size,
                        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,

@@ -1,0 +1,145 @@
+"""Batched decode steps against the bare weight products of the same batch, at two context lengths, in one run.
+
+For each context length and batch size, that many requests with distinct random prompts of that length are
+prefilled; then every engine decode step is followed at once by one bare step (`matvec_step(model, batch)`:
+the model's own weight products for `[batch, in]` inputs and nothing else), and bare/engine is the median of
+the per-step ratios. The bare products leave attention out, so attention is timed on its own, over all layers
+of the same cache and block tables: the engine's C kernel (reads keys and values in place), PyTorch's
+gather-then-SDPA (`MINILLM_ATTENTION=torch`), and SDPA over contiguous copies of the same keys and values,
+the floor an unpaged cache would give.
+
+    .venv/bin/python -m benchmarks.decode_batch [--contexts 64 512] [--batches 1 4 16 32 64] [--steps 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+if __package__ in (None, ""):  # run as a file: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from minillm import LLM, SamplingParams, threads
+from minillm.attention import _Part, cpu_decode_attention, decode_attention
+from minillm.roofline import matvec_step
+
+TARGET = 0.85  # bare/engine at every batch up to TARGET_BATCH at the shortest context
+TARGET_BATCH = 32
+
+
+def prefill(engine, batch: int, context: int, steps: int, gen: torch.Generator) -> list[str]:
+    """Add `batch` requests with random prompts of `context` tokens and step until all are decoding."""
+    vocab = engine.config.vocab_size
+    ids = [engine.add_request(None, torch.randint(0, vocab, (context,), generator=gen).tolist(),
+                              SamplingParams(max_tokens=steps + 4, ignore_eos=True)) for _ in range(batch)]
+    while engine.num_waiting_seqs() or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
+        engine.step()
+    if len(engine.scheduler.running) != batch:
+        raise RuntimeError(f"only {len(engine.scheduler.running)} of {batch} requests fit; raise --kv-blocks")
+    return ids
+
+
+def paired_steps(engine, bare, steps: int) -> tuple[list[float], list[float]]:
+    """Seconds of `steps` engine decode steps, each followed by one bare step."""
+    engine_times, bare_times = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        middle = time.perf_counter()
+        bare()
+        engine_times.append(middle - start)
+        bare_times.append(time.perf_counter() - middle)
+    return engine_times, bare_times
+
+
+def attention_times(engine, rounds: int = 5) -> dict[str, float]:
+    """Seconds per step (all layers) of decode attention for the running batch, three ways, alternated."""
+    seqs = engine.scheduler.running
+    cfg, kv = engine.config, engine.kv_cache
+    width = max(len(s.block_table) for s in seqs)
+    part = _Part(torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32),
+                 torch.tensor([s.num_cached_tokens for s in seqs], dtype=torch.int32), [1] * len(seqs))
+    q = torch.randn(len(seqs), cfg.num_heads, cfg.head_dim)
+    scale, group = cfg.head_dim ** -0.5, cfg.num_heads // cfg.num_kv_heads
+    layers = [kv.layer(i) for i in range(cfg.num_layers)]
+    probe = _Part(part.block_tables, part.context_lens, part.query_lens)
+    decode_attention(q, *layers[0], probe, scale)  # works out the gather slots and padding mask
+    contiguous = [tuple(cache.view(-1, cfg.num_kv_heads, cfg.head_dim)[probe.gather_slots].transpose(1, 2).contiguous()
+                        for cache in layer) for layer in layers]  # [seqs, kv_heads, longest, head_dim] each
+    q4 = q.view(len(seqs), cfg.num_kv_heads, group, cfg.head_dim)
+
+    def c_kernel():
+        for k, v in layers:
+            cpu_decode_attention(q, k, v, part, scale)
+
+    def torch_gather():
+        fresh = _Part(part.block_tables, part.context_lens, part.query_lens)  # slots worked out once per step
+        for k, v in layers:
+            decode_attention(q, k, v, fresh, scale)
+
+    def contiguous_sdpa():
+        for k, v in contiguous:
+            F.scaled_dot_product_attention(q4, k, v, attn_mask=probe.mask, scale=scale)
+
+    variants = {"C kernel": c_kernel, "torch gather+SDPA": torch_gather, "contiguous SDPA": contiguous_sdpa}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for name, fn in variants.items():
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_batch", description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[64, 512])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64])
+    parser.add_argument("--steps", type=int, default=12, help="paired decode steps per (context, batch)")
+    parser.add_argument("--threads", type=int, default=1, help="PyTorch CPU threads (default 1; 0 = the engine's default, all cores but one)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        os.environ[threads.ENV] = str(args.threads)  # the engine sets it when built
+
+    tokens = max(args.batches) * (max(args.contexts) + args.steps + 8)
+    llm = LLM(max_num_seqs=max(args.batches), enable_prefix_caching=False, num_kv_blocks=int(1.1 * tokens / 16) + 64)
+    engine, gen = llm.engine, torch.Generator().manual_seed(0)
+    print(f"{engine.device}, {str(engine.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads; "
+          f"decode attention: {'C kernel' if engine.runner.use_cpu_kernel else 'PyTorch'}; "
+          f"{args.steps} paired steps per row; ms per step, attention summed over {engine.config.num_layers} layers")
+    print(f"{'context':>7} {'batch':>5} {'engine':>8} {'bare':>8} {'bare/engine':>17}   "
+          f"{'attn: C kernel':>14} {'torch gather':>12} {'contiguous':>10}")
+    misses = []
+    for context in args.contexts:
+        for batch in args.batches:
+            ids = prefill(engine, batch, context, args.steps, gen)
+            bare = matvec_step(engine.model, batch)
+            paired_steps(engine, bare, 2)  # warm-up at this shape
+            attention = attention_times(engine)
+            engine_times, bare_times = paired_steps(engine, bare, args.steps)
+            for rid in ids:
+                engine.abort(rid)
+            ratios = [b / e for e, b in zip(engine_times, bare_times)]
+            q = statistics.quantiles(ratios, n=4)
+            ratio = statistics.median(ratios)
+            print(f"{context:7d} {batch:5d} {1e3 * statistics.median(engine_times):8.1f} "
+                  f"{1e3 * statistics.median(bare_times):8.1f} {ratio:5.2f} ({q[0]:.2f}-{q[2]:.2f})   "
+                  f"{1e3 * attention['C kernel']:14.1f} {1e3 * attention['torch gather+SDPA']:12.1f} "
+                  f"{1e3 * attention['contiguous SDPA']:10.1f}", flush=True)
+            if context == min(args.contexts) and batch <= TARGET_BATCH and ratio < TARGET:
+                misses.append(batch)
+    print(f"target bare/engine >= {TARGET} at every batch up to {TARGET_BATCH} at context {min(args.contexts)}: "
+          f"{'met' if not misses else f'missed at batch {misses}'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""How many threads PyTorch's CPU operations get: all cores but one by default, `MINILLM_NUM_THREADS` to choose.
+
+A decode step on a CPU is a chain of a few hundred operations, and every one of them waits for the slowest
+of its threads. When another process (the server's HTTP front end, a notebook, the operating system) takes
+one of the cores, the thread that was running there stalls every operation after it, so a step with a thread
+for every core can run several times slower than one that left a core free. `benchmarks/threads.py` measures
+this on the chat and rag workloads; chapter 4 shows the numbers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+ENV = "MINILLM_NUM_THREADS"
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity, which containers and `taskset` narrow)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def default_num_threads() -> int:
+    """`$MINILLM_NUM_THREADS` if set, else every available core but one (at least one)."""
+    value = os.environ.get(ENV)
+    if value is None:
+        return max(1, available_cores() - 1)
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"${ENV}={value!r}; expected a whole number of threads, at least 1")
+    return int(value)
+
+
+def configure_threads() -> int:
+    """Give PyTorch's CPU operations `default_num_threads()` threads (the engine does this when built)."""
+    n = default_num_threads()
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n

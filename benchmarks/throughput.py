@@ -6,10 +6,11 @@ Two seeded workloads of real text (this repository's own prose), every request r
   rag   prompts 256-1024 tokens, answers 16-64 tokens
 Each is run by (a) HF `generate` one request at a time, (b) HF `generate` in static batches of 8 (left
 padding; a batch runs until its longest answer is done), (c) minillm with all requests submitted at
-once. The HF baselines run on a seeded subset and are reported as output tokens per second, which does
-not depend on how many requests were timed. Usage:
+once, for each of several request counts (the first requests of one seeded list). The HF baselines run on
+a seeded subset and are reported as output tokens per second, which does not depend on how many requests
+were timed. Usage:
 
-    python -m benchmarks.throughput [--workload chat|rag|both] [--requests N] [--hf-requests N]
+    python -m benchmarks.throughput [--workload chat|rag|both] [--requests N [N ...]] [--hf-requests N]
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def prefill_tokens_per_s(llm: LLM, hf, prompts: list[list[int]]) -> tuple[float,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", choices=["chat", "rag", "both"], default="both")
-    parser.add_argument("--requests", type=int, default=48, help="requests minillm runs per workload")
+    parser.add_argument("--requests", type=int, nargs="+", default=[16, 32, 48],
+                        help="request counts minillm runs per workload (each its own run)")
     parser.add_argument("--hf-requests", type=int, default=8, help="seeded subset the HF baselines run")
     args = parser.parse_args()
 
@@ -60,20 +62,23 @@ def main() -> None:
     run_minillm(llm, make_workload("chat", 4, tok, seed=123))  # warm-up
     names = ["chat", "rag"] if args.workload == "both" else [args.workload]
     for name in names:
-        work = make_workload(name, args.requests, tok)
+        work = make_workload(name, max(args.requests), tok)
         subset = random.Random(1).sample(work, min(args.hf_requests, len(work)))
         results = {
             "HF one at a time": run_hf(hf, subset, 1, tok.pad_token_id),
             f"HF static batch {STATIC_BATCH}": run_hf(hf, subset, STATIC_BATCH, tok.pad_token_id),
-            "minillm": run_minillm(llm, work),
         }
-        print(f"\n{name}: {len(work)} requests for minillm, {len(subset)} for HF; "
-              f"prompts {WORKLOADS[name][0]}, answers {WORKLOADS[name][1]} tokens")
+        for n in args.requests:
+            llm.reset_prefix_cache()  # each run computes its prompts, as HF does, rather than reusing the last run's
+            results[f"minillm, {n} requests"] = run_minillm(llm, work[:n])
+        print(f"\n{name}: {len(subset)} requests for HF; prompts {WORKLOADS[name][0]}, answers {WORKLOADS[name][1]} tokens")
         rates = {k: r["output_tokens"] / r["seconds"] for k, r in results.items()}
         for k, r in results.items():
-            print(f"  {k:20s} {r['output_tokens']:6d} output tokens in {r['seconds']:7.1f} s = {rates[k]:7.1f} tok/s")
+            print(f"  {k:22s} {r['output_tokens']:6d} output tokens in {r['seconds']:7.1f} s = {rates[k]:7.1f} tok/s")
         a, b = rates["HF one at a time"], rates[f"HF static batch {STATIC_BATCH}"]
-        print(f"  minillm / (a) = {rates['minillm'] / a:.2f}x   minillm / (b) = {rates['minillm'] / b:.2f}x")
+        for n in args.requests:
+            ours = rates[f"minillm, {n} requests"]
+            print(f"  minillm with {n:3d} requests / (a) = {ours / a:5.2f}x   / (b) = {ours / b:5.2f}x")
         if name == "rag":
             cold = LLM(enable_prefix_caching=False)
             ours, theirs = prefill_tokens_per_s(cold, hf, [p for p, _ in subset[:4]])

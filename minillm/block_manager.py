@@ -144,6 +144,14 @@ class BlockManager:
                 block.hash, block.token_ids = h, chunk
                 self.cached.setdefault(h, block.block_id)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget what every free block holds, so no later request reuses it (blocks in use keep theirs)."""
+        for block_id in self.free_ids:
+            block = self.blocks[block_id]
+            if block.hash is not None and self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash, block.token_ids = None, ()
+
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; blocks nobody holds go back to the free list, contents kept."""
         for block_id in reversed(seq.block_table):  # tail blocks first: they are the least likely to be shared

@@ -234,6 +234,11 @@ class LLMEngine:
             finally:
                 self.block_manager.free(seq)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prefixes of finished requests (vLLM's name), e.g. between two timed runs."""
+        with self._step_lock:
+            self.block_manager.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         """Whether a request is queued or running, or a final output (of an abort) is still to be returned."""
         return bool(self._requests or self._ready)

@@ -27,6 +27,10 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prefixes of finished requests, so the next run computes every prompt again."""
+        self.engine.reset_prefix_cache()
+
     def stats(self) -> dict:
         return self.engine.stats()
 

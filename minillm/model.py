@@ -18,7 +18,8 @@ from torch import nn
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
 from .host_memory import huge_page_empty, use_huge_pages
-from .layers import RMSNorm, RotaryEmbedding, make_linear, rotate, silu_and_mul
+from .layers import (Linear, RMSNorm, RotaryEmbedding, dispatch_mode_active, make_linear, pack_weight, packed_linear,
+                     rotate, silu_and_mul, use_packed_weights)
 
 
 class Attention(nn.Module):
@@ -33,14 +34,16 @@ class Attention(nn.Module):
         self.o_proj = make_linear(self.q_size, config.hidden_size)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """`rope` holds the cos and signed sin of this step's positions, `[tokens, 1, head_dim]` each."""
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`rope` holds the cos and signed sin of this step's positions, `[tokens, 1, head_dim]` each; `residual`,
+        when given, is added to the output (inside the output projection)."""
         heads = self.qkv_proj.forward(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk = rotate(heads[:, :self.num_heads + self.num_kv_heads], *rope)  # q and k heads rotated together
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = heads[:, self.num_heads + self.num_kv_heads:]
         o = paged_attention(q, k, v, *kv_cache, meta, self.scale)
-        return self.o_proj.forward(o.flatten(1))
+        return self.o_proj.forward(o.flatten(1), residual)
 
 
 class MLP(nn.Module):
@@ -51,12 +54,13 @@ class MLP(nn.Module):
         self.gate_up_proj = make_linear(config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = make_linear(config.intermediate_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)), residual)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)). Each skip connection is added by the
+    output projection before it (in the same oneDNN call on a CPU), not as an operation of its own."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -67,8 +71,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn.forward(rope, self.input_layernorm.forward(x), kv_cache, meta)
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+        x = self.self_attn.forward(rope, self.input_layernorm.forward(x), kv_cache, meta, residual=x)
+        return self.mlp.forward(self.post_attention_layernorm.forward(x), residual=x)
 
 
 class CausalLM(nn.Module):
@@ -83,6 +87,18 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else make_linear(config.hidden_size, config.vocab_size)
+        self.packed_head: torch.Tensor | None = None  # the tied head's oneDNN-packed copy (see pack_weights)
+
+    def pack_weights(self) -> None:
+        """Give every linear layer, and a tied head, a oneDNN-packed copy of its weight (CPU, after loading).
+
+        The copies double the weights' memory; the plain tensors stay for everything that reads the model.
+        """
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.lm_head is None:
+            self.packed_head = pack_weight(self.embed_tokens.weight)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache,
                       meta: AttentionMetadata) -> torch.Tensor:
@@ -95,7 +111,11 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary scores from hidden states (the tied head reuses the embedding matrix)."""
-        return self.lm_head(hidden) if self.lm_head is not None else F.linear(hidden, self.embed_tokens.weight)
+        if self.lm_head is not None:
+            return self.lm_head.forward(hidden)
+        if self.packed_head is not None and not torch.is_grad_enabled() and not dispatch_mode_active():
+            return packed_linear(hidden, self.packed_head)
+        return F.linear(hidden, self.embed_tokens.weight)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata,
@@ -140,6 +160,8 @@ def load_model(path, config: ModelConfig, dtype: torch.dtype, device: torch.devi
         _load_hf_weights(model, load_state_dict(path))
     else:
         raise ValueError(f"load_format {load_format!r} is not supported; use 'auto' or 'dummy'")
+    if use_packed_weights(device, dtype):
+        model.pack_weights()
     return model.eval()
 
 

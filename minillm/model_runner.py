@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .attention import AttentionMetadata
 from .kernels import use_cpu_kernel, use_triton
 from .kv_cache import KVCache
+from .layers import dispatch_mode_active
 from .model import CausalLM
 from .sampling import TokenLogprobs, logprobs_of, sample
 from .scheduler import SchedulerOutput
@@ -54,7 +54,7 @@ class ModelRunner:
             use_triton=self.use_triton,
             # the C kernel bypasses PyTorch's dispatcher: under a dispatch mode (FlopCounterMode, fake tensors)
             # the PyTorch path runs instead, so the mode sees the attention
-            use_cpu_kernel=self.use_cpu_kernel and _get_current_dispatch_mode() is None,
+            use_cpu_kernel=self.use_cpu_kernel and not dispatch_mode_active(),
         )
         return self._tensor(ids), self._tensor(positions), meta, seqs
 

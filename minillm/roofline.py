@@ -222,16 +222,21 @@ def decode_matrices(model) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
 
 
 def matvec_step(model, batch: int = 1) -> Callable[[], None]:
-    """A decode step stripped to its matrix products: `[batch, in]` inputs times each of the model's own weights
-    through `F.linear`, as the model calls them, and nothing else (no attention, norms, Python between layers)."""
-    mats = decode_matrices(model)
-    weight = mats[0][0]
-    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], device=weight.device, dtype=weight.dtype) for w, _ in mats}
+    """A decode step stripped to its matrix products: `[batch, in]` inputs through each of the model's own linear
+    layers and its head, called as the model calls them (oneDNN-packed where the model is), and nothing else
+    (no attention, norms, Python between layers)."""
+    linears = [lin for layer in model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    weight = linears[0].weight
+    inputs = {n: torch.randn(batch, n, device=weight.device, dtype=weight.dtype)
+              for n in {lin.in_features for lin in linears}}
+    hidden = inputs[model.config.hidden_size]
 
     @torch.inference_mode()
     def step() -> None:
-        for w, b in mats:
-            F.linear(inputs[w.shape[1]], w, b)
+        for lin in linears:
+            lin.forward(inputs[lin.in_features])
+        model.logits(hidden)
     return step
 
 

@@ -22,18 +22,23 @@ def available_cores() -> int:
 
 
 def default_num_threads() -> int:
-    """`$MINILLM_NUM_THREADS` if set, else every available core but one (at least one)."""
+    """Every available core but one (at least one): the engine's choice when `$MINILLM_NUM_THREADS` is unset."""
+    return max(1, available_cores() - 1)
+
+
+def num_threads() -> int:
+    """`$MINILLM_NUM_THREADS` if set, else `default_num_threads()`."""
     value = os.environ.get(ENV)
     if value is None:
-        return max(1, available_cores() - 1)
+        return default_num_threads()
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"${ENV}={value!r}; expected a whole number of threads, at least 1")
     return int(value)
 
 
 def configure_threads() -> int:
-    """Give PyTorch's CPU operations `default_num_threads()` threads (the engine does this when built)."""
-    n = default_num_threads()
+    """Give PyTorch's CPU operations `num_threads()` threads (the engine does this when it is built)."""
+    n = num_threads()
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n

@@ -59,6 +59,13 @@ def main() -> None:
         build_tokenizer(Path(d))
         llm = LLM(d, load_format="dummy", max_num_seqs=64)
         print("stats:", {k: llm.stats()[k] for k in ("device", "dtype", "kv_blocks_total", "max_model_len")})
+        from minillm import SamplingParams
+
+        ttft = []  # the engine warmed itself up when built: the first request should be as quick as the next
+        for i in range(3):
+            out = llm.generate([[11 + i] * 100], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0]
+            ttft.append(round(1e3 * (out.metrics.first_token_time - out.metrics.arrival_time), 1))
+        print(f"warm-up when built: {llm.engine.warmup_seconds:.2f} s; TTFT of the first three requests: {ttft} ms")
         decode_tokens_per_s(llm, 1, new_tokens=16)  # warm-up
         for batch in (1, 8, 32, 64):
             runs = [decode_tokens_per_s(llm, batch) for _ in range(3)]

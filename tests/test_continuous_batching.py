@@ -68,6 +68,19 @@ def test_shared_prefix_hits_the_cache_and_copy_on_write_keeps_outputs(tiny_llama
     assert s["kv_blocks_free"] == s["kv_blocks_total"]
 
 
+def test_reset_prefix_cache_forgets_finished_prompts(tiny_llama, reference):
+    llm = LLM(tiny_llama, device=DEVICE, dtype=torch.float32, block_size=4, num_kv_blocks=64)
+    prompt = llm.get_tokenizer()(" ".join(WORDS))["input_ids"]
+    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    llm.generate([prompt], p, use_tqdm=False)
+    llm.reset_prefix_cache()
+    again = llm.generate([prompt], p, use_tqdm=False)[0]
+    assert llm.stats()["prefix_cache_hit_tokens"] == 0
+    assert again.outputs[0].token_ids == reference(tuple(prompt), 4)
+    llm.generate([prompt], p, use_tqdm=False)  # cached again from the run after the reset
+    assert llm.stats()["prefix_cache_hit_tokens"] > 0
+
+
 def test_abort_mid_flight_frees_blocks_and_spares_others(tiny_llama, reference):
     llm = LLM(tiny_llama, device=DEVICE, dtype=torch.float32, block_size=4, num_kv_blocks=64)
     engine = llm.engine

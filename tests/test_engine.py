@@ -113,3 +113,21 @@ def test_chat_template_and_errors(llm):
     assert len(out) == 1
     with pytest.raises(ValueError, match="messages"):
         llm.chat([{"content": "no role"}])
+
+
+def test_threads_from_the_environment_and_a_clean_warm_up(tiny_llama, monkeypatch):
+    if DEVICE != "cpu":
+        pytest.skip("threads are set for CPU engines")
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("MINILLM_NUM_THREADS", "1")
+        llm = LLM(tiny_llama, device=DEVICE, dtype=torch.float32, num_kv_blocks=32, block_size=4)
+        assert torch.get_num_threads() == 1
+        s = llm.stats()  # the warm-up ran a throwaway sequence and left nothing behind
+        assert llm.engine.warmup_seconds > 0 and all_blocks_free(llm) and s["prefix_cache_query_tokens"] == 0
+        for bad in ("0", "two", "-1"):
+            monkeypatch.setenv("MINILLM_NUM_THREADS", bad)
+            with pytest.raises(ValueError, match="MINILLM_NUM_THREADS"):
+                LLM(tiny_llama, device=DEVICE, dtype=torch.float32, num_kv_blocks=32, block_size=4)
+    finally:
+        torch.set_num_threads(before)

@@ -10,6 +10,16 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#define AHEAD 4 /* slots to prefetch ahead: blocks lie anywhere in the pool, so the hardware cannot guess the next */
+
+static inline const float *slot(const float *cache, const int32_t *table, int64_t t, int64_t block_size, int64_t row) {
+    return cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row;
+}
+
+static inline void prefetch_row(const float *p, int64_t row) {
+    for (int64_t i = 0; i < row; i += 16) __builtin_prefetch(p + i); /* one 64-byte line per 16 floats */
+}
+
 static inline float dot(const float *a, const float *b, int64_t n) {
     float s = 0.0f;
     for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
@@ -32,7 +42,8 @@ void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache
         /* Slot by slot, all heads at once: each slot's row is read whole and in order, which the hardware
          * prefetcher streams from memory; a pass per head would read it in strided pieces, several times slower. */
         for (int64_t t = 0; t < len; t++) {
-            const float *k = k_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row;
+            if (t + AHEAD < len) prefetch_row(slot(k_cache, table, t + AHEAD, block_size, row), row);
+            const float *k = slot(k_cache, table, t, block_size, row);
             for (int64_t h = 0; h < num_heads; h++)
                 scores[h * len + t] = scale * dot(qs + h * head_dim, k + (h / group) * head_dim, head_dim);
         }
@@ -47,7 +58,8 @@ void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache
             for (int64_t d = 0; d < head_dim; d++) os[h * head_dim + d] = 0.0f;
         }
         for (int64_t t = 0; t < len; t++) {
-            const float *v = v_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row;
+            if (t + AHEAD < len) prefetch_row(slot(v_cache, table, t + AHEAD, block_size, row), row);
+            const float *v = slot(v_cache, table, t, block_size, row);
             for (int64_t h = 0; h < num_heads; h++) {
                 const float p = scores[h * len + t], *vh = v + (h / group) * head_dim;
                 float *o = os + h * head_dim;

@@ -34,11 +34,12 @@ TARGET = 0.85  # bare/engine at every batch up to TARGET_BATCH at the shortest c
 TARGET_BATCH = 32
 
 
-def prefill(engine, batch: int, context: int, steps: int, gen: torch.Generator) -> list[str]:
-    """Add `batch` requests with random prompts of `context` tokens and step until all are decoding."""
+def prefill(engine, batch: int, context: int, gen: torch.Generator) -> list[str]:
+    """Add `batch` requests with random prompts of `context` tokens and step until all are decoding (they run
+    until aborted: the first ones admitted decode while the last ones are still being prefilled)."""
     vocab = engine.config.vocab_size
     ids = [engine.add_request(None, torch.randint(0, vocab, (context,), generator=gen).tolist(),
-                              SamplingParams(max_tokens=steps + 4, ignore_eos=True)) for _ in range(batch)]
+                              SamplingParams(max_tokens=10_000, ignore_eos=True)) for _ in range(batch)]
     while engine.num_waiting_seqs() or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
         engine.step()
     if len(engine.scheduler.running) != batch:
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         os.environ[threads.ENV] = str(args.threads)  # the engine sets it when built
 
-    tokens = max(args.batches) * (max(args.contexts) + args.steps + 8)
+    prefill_steps = max(args.batches) * max(args.contexts) // 2048 + 1  # steps the early requests decode meanwhile
+    tokens = max(args.batches) * (max(args.contexts) + args.steps + prefill_steps + 8)
     llm = LLM(max_num_seqs=max(args.batches), enable_prefix_caching=False, num_kv_blocks=int(1.1 * tokens / 16) + 64)
     engine, gen = llm.engine, torch.Generator().manual_seed(0)
     print(f"{engine.device}, {str(engine.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads; "
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     misses = []
     for context in args.contexts:
         for batch in args.batches:
-            ids = prefill(engine, batch, context, args.steps, gen)
+            ids = prefill(engine, batch, context, gen)
             bare = matvec_step(engine.model, batch)
             paired_steps(engine, bare, 2)  # warm-up at this shape
             attention = attention_times(engine)

@@ -78,29 +78,35 @@ class LLMEngine:
         self._ready: list[RequestOutput] = []  # final outputs of aborts applied between steps
         self.warmup_seconds = self._warm_up()
 
-    def _warm_up(self, prompt_tokens: int = 16, decode_steps: int = 2) -> float:
-        """Run a throwaway sequence through a prefill and a few decode steps before any request comes, so the
-        first request does not pay for first calls (kernel selection and memory pools on a CPU; Triton's
-        compilation on a GPU). Its blocks are freed, nothing is cached or counted. Returns the seconds taken."""
+    def _warm_up(self) -> float:
+        """Run throwaway sequences through prefill and decode before any request comes, so the first request
+        does not pay for first calls: kernel selection and memory pools on a CPU, and on a GPU Triton's
+        compilation, once per kernel variant (short and long prompts take different tile shapes, and Triton
+        specializes on whether a length is a multiple of 16, so the GPU shapes cover both). Blocks are
+        freed, nothing is cached or counted. Returns the seconds taken."""
         start = time.perf_counter()
-        n = max(1, min(prompt_tokens, self.max_model_len - decode_steps - 1))
-        seq = Sequence("warm-up", None, [0] * n, SamplingParams(max_tokens=decode_steps), RequestMetrics(start))
+        # (prompt tokens, decode steps): on a GPU, a context that crosses a multiple of 16 while decoding
+        shapes = [(15, 17), (16, 1), (40, 1), (48, 1)] if self.runner.use_triton else [(16, 2)]
         bm = self.block_manager
         counters = bm.hit_tokens, bm.query_tokens
-        try:
-            if not bm.allocate(seq):
-                return 0.0  # a pool too small for even this: nothing to warm
-            for _ in range(decode_steps + 1):
-                if not bm.can_grow(seq, seq.num_tokens):
-                    break
-                step = SchedulerOutput(block_copies=bm.grow(seq, seq.num_tokens))
-                step.add(seq, seq.num_uncomputed_tokens)
-                (result,) = self.runner.run(step)
-                seq.num_cached_tokens = seq.num_tokens
-                seq.output_token_ids.append(result.token)
-        finally:
-            bm.free(seq)
-            bm.hit_tokens, bm.query_tokens = counters
+        for prompt_tokens, decode_steps in shapes:
+            n = max(1, min(prompt_tokens, self.max_model_len - decode_steps - 1))
+            seq = Sequence("warm-up", None, [0] * n, SamplingParams(max_tokens=decode_steps),
+                           RequestMetrics(start))
+            try:
+                if not bm.allocate(seq):
+                    break  # a pool too small for even this: nothing (more) to warm
+                for _ in range(decode_steps + 1):
+                    if not bm.can_grow(seq, seq.num_tokens):
+                        break
+                    step = SchedulerOutput(block_copies=bm.grow(seq, seq.num_tokens))
+                    step.add(seq, seq.num_uncomputed_tokens)
+                    (result,) = self.runner.run(step)
+                    seq.num_cached_tokens = seq.num_tokens
+                    seq.output_token_ids.append(result.token)
+            finally:
+                bm.free(seq)
+        bm.hit_tokens, bm.query_tokens = counters
         return time.perf_counter() - start
 
     def _kv_budget(self) -> int:

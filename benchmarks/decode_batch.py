@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[64, 512])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     parser.add_argument("--steps", type=int, default=12, help="paired decode steps per (context, batch)")
-    parser.add_argument("--threads", type=int, default=1, help="PyTorch CPU threads (default 1; 0 = the engine's default, all cores but one)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="PyTorch CPU threads (default 1; 0 = the engine's default, all cores but one)")
     args = parser.parse_args(argv)
     if args.threads:
         os.environ[threads.ENV] = str(args.threads)  # the engine sets it when built

@@ -2,7 +2,7 @@
 
 (a) physical ceiling:   stream bandwidth / bytes of the weights (every step reads every weight once);
 (b) attainable ceiling: 1 / time of the bare matrix-vector products of one decode step (the model's own
-    weight tensors, fused qkv and gate_up and the tied head included, through the same `F.linear`).
+    weight tensors, fused qkv and gate_up and the tied head included, through the model's own linear layers).
 Decode speeds are 1 / median time per token (prefill excluded). Every round measures everything, and each
 engine step is followed by one bare step, so a noisy neighbour slows both alike; ratios are paired medians.
 

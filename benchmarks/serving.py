@@ -26,7 +26,6 @@ import threading
 import time
 from pathlib import Path
 
-import torch
 
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

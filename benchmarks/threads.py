@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     if cores > 1:
         configs[f"{cores} threads, passive wait"] = {threads.ENV: str(cores), "OMP_WAIT_POLICY": "PASSIVE"}
     print(f"{cores} cores available; {args.requests} requests per run, {args.rounds} rounds; "
-          f"default: {threads.default_num_threads()} thread(s), all cores but one; output tok/s, median (slowest round)")
+          f"default: {threads.default_num_threads()} thread(s), all cores but one; "
+          "output tok/s, median (slowest round)")
     results: dict[tuple, list[float]] = {}
     for _ in range(args.rounds):
         for workload in args.workloads:

@@ -71,7 +71,8 @@ def main() -> None:
         for n in args.requests:
             llm.reset_prefix_cache()  # each run computes its prompts, as HF does, rather than reusing the last run's
             results[f"minillm, {n} requests"] = run_minillm(llm, work[:n])
-        print(f"\n{name}: {len(subset)} requests for HF; prompts {WORKLOADS[name][0]}, answers {WORKLOADS[name][1]} tokens")
+        print(f"\n{name}: {len(subset)} requests for HF; "
+              f"prompts {WORKLOADS[name][0]}, answers {WORKLOADS[name][1]} tokens")
         rates = {k: r["output_tokens"] / r["seconds"] for k, r in results.items()}
         for k, r in results.items():
             print(f"  {k:22s} {r['output_tokens']:6d} output tokens in {r['seconds']:7.1f} s = {rates[k]:7.1f} tok/s")

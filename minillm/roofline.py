@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .config import ModelConfig
 
@@ -209,16 +208,6 @@ def measure_matmul_flops(n: int | None = None, dtype: torch.dtype | None = None,
     n = n or (8192 if device.type == "cuda" else 2048)
     x, y = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
     return 2 * n ** 3 / time_median(lambda: x @ y, device, repeats, warmup=2)
-
-
-def decode_matrices(model) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """(weight, bias) of every matrix a decode step multiplies by, in call order: 4 per block, then the head."""
-    mats = []
-    for layer in model.layers:
-        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            mats.append((lin.weight, lin.bias))
-    head = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight  # tied: the embedding
-    return mats + [(head, None)]
 
 
 def matvec_step(model, batch: int = 1) -> Callable[[], None]:

@@ -2,7 +2,8 @@
  * reading each key and value row straight from the block pool (no gathered copy), in two passes over the
  * context: scores and their softmax, then the weighted sum of values. Compiled at first use by
  * minillm/kernels/cpu.py; shapes follow flash_attn_with_kvcache:
- *   q [seqs, heads, dim] (rows q_stride floats apart)   k_cache, v_cache [blocks, block_size, kv_heads, dim]   out [seqs, heads, dim]
+ *   q [seqs, heads, dim] (rows q_stride floats apart)   out [seqs, heads, dim]
+ *   k_cache, v_cache [blocks, block_size, kv_heads, dim]
  *   block_tables [seqs, max_blocks] (int32)   context_lens [seqs] (int32)
  * Every query head of a sequence is handled in the same pass, so each key and value row is read from
  * memory once per sequence, not once per query head. */
@@ -10,9 +11,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define AHEAD 4 /* slots to prefetch ahead: blocks lie anywhere in the pool, so the hardware cannot guess the next */
+/* Slots to prefetch ahead: blocks lie anywhere in the pool, so the hardware cannot guess the next. */
+#define AHEAD 4
 
-static inline const float *slot(const float *cache, const int32_t *table, int64_t t, int64_t block_size, int64_t row) {
+static inline const float *slot(const float *cache, const int32_t *table, int64_t t, int64_t block_size,
+                                int64_t row) {
     return cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row;
 }
 
@@ -40,7 +43,8 @@ void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache
         float *os = out + s * num_heads * head_dim;
         float *scores = malloc(sizeof(float) * num_heads * len); /* [heads, len] */
         /* Slot by slot, all heads at once: each slot's row is read whole and in order, which the hardware
-         * prefetcher streams from memory; a pass per head would read it in strided pieces, several times slower. */
+         * prefetcher streams from memory; a pass per head would read it in strided pieces, which it follows
+         * poorly. */
         for (int64_t t = 0; t < len; t++) {
             if (t + AHEAD < len) prefetch_row(slot(k_cache, table, t + AHEAD, block_size, row), row);
             const float *k = slot(k_cache, table, t, block_size, row);

@@ -18,6 +18,7 @@ from .model import load_model
 from .model_runner import ModelRunner, SeqResult
 from .output_processor import OutputProcessor, RequestState
 from .outputs import RequestOutput
+from .quant import QUANTIZATIONS, quantize_model
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
@@ -43,11 +44,14 @@ class LLMEngine:
 
     def __init__(self, model: str | Path | None = None, device=None, dtype=None, load_format: str = "auto",
                  block_size: int = 16, num_kv_blocks: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True):
+                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True, *,
+                 quantization: str | None = None, quantization_group_size: int = 64):
         from transformers import AutoTokenizer
 
         if block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must all be >= 1")
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {quantization!r} is not supported; use None or one of {QUANTIZATIONS}")
         self.path = resolve_model(model)
         check_architecture(self.path)
         self.config = ModelConfig.from_dir(self.path)
@@ -56,6 +60,11 @@ class LLMEngine:
             configure_threads()
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
         self.model = load_model(self.path, self.config, self.dtype, self.device, load_format)
+        if quantization is not None:
+            if self.device.type != "cpu" and quantization != "fp8":
+                raise ValueError(f"quantization {quantization!r} runs PyTorch's CPU kernels; on a GPU use 'fp8'")
+            quantize_model(self.model, quantization, quantization_group_size)
+        self.quantization = quantization
         if num_kv_blocks is None:
             num_kv_blocks = blocks_for_budget(self.config, block_size, self.dtype, self._kv_budget())
         self.kv_cache = KVCache.allocate(self.config, num_kv_blocks, block_size, self.dtype, self.device)

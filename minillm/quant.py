@@ -14,6 +14,7 @@ whose int4 layout stores `(q - 8) * scale + zero'`, i.e. zero' = zero + 8 * scal
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's packed int4 CPU kernel accepts
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
@@ -102,3 +103,72 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
     if group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"group size {group_size} is not one the int4 kernel takes: {INT4_GROUP_SIZES}")
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros.to(x.dtype))
+
+
+QUANTIZATIONS = ("int8", "int4", "fp8")
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight is stored in one of `QUANTIZATIONS`; used where `layers.Linear` was.
+
+    int8 and int4 run PyTorch's packed CPU kernels with bfloat16 activations (with float32 ones those kernels
+    are many times slower: `benchmarks/quant.py`); fp8 is dequantized at each call, a reference path.
+    """
+
+    def __init__(self, linear: nn.Linear, method: str, group_size: int = 64):
+        super().__init__()
+        if method not in QUANTIZATIONS:
+            raise ValueError(f"quantization {method!r} is not supported; use one of {QUANTIZATIONS}")
+        self.method, self.group_size = method, group_size
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = linear.bias
+        w = linear.weight.detach()
+        if method == "int8":
+            q, scale = quantize_int8(w)
+            self.register_buffer("q", q)
+            self.register_buffer("scale", scale.to(torch.bfloat16))
+        elif method == "int4":
+            if group_size not in INT4_GROUP_SIZES:
+                raise ValueError(f"int4 group size {group_size} is not one of {INT4_GROUP_SIZES}")
+            packed, scales_and_zeros = to_int4pack(*quantize_int4(w, group_size))
+            self.register_buffer("q", packed)
+            self.register_buffer("scale", scales_and_zeros.to(torch.bfloat16))
+        else:
+            q, scale = quantize_fp8(w)
+            self.register_buffer("q", q)
+            self.register_buffer("scale", scale)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 weight this layer computes with (for references and tests)."""
+        if self.method == "int8":
+            return dequantize_int8(self.q, self.scale.float())
+        if self.method == "int4":
+            eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+            return int4_linear(eye, self.q, self.scale, self.group_size).float().T.contiguous()
+        return dequantize_fp8(self.q, self.scale)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.method == "int8":
+            y = int8_linear(x.to(torch.bfloat16), self.q, self.scale).to(x.dtype)
+        elif self.method == "int4":
+            y = int4_linear(x.to(torch.bfloat16), self.q, self.scale, self.group_size).to(x.dtype)
+        else:
+            y = torch.nn.functional.linear(x, dequantize_fp8(self.q, self.scale).to(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias
+        return y if residual is None else y + residual
+
+
+def quantize_model(model: nn.Module, method: str, group_size: int = 64, keep: tuple[str, ...] = ()) -> list[str]:
+    """Replace every linear layer of `model` (not the tied head) by a `QuantLinear`, except those whose
+    qualified names are in `keep`, which stay in the model's dtype (mixed precision). Returns the names replaced."""
+    from .layers import Linear
+
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Linear) and name not in keep:
+            parent_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, attr,
+                    QuantLinear(module, method, group_size))
+            replaced.append(name)
+    return replaced

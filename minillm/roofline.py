@@ -216,7 +216,7 @@ def matvec_step(model, batch: int = 1) -> Callable[[], None]:
     (no attention, norms, Python between layers)."""
     linears = [lin for layer in model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    weight = linears[0].weight
+    weight = model.embed_tokens.weight  # for device and dtype (a quantized layer has no float weight)
     inputs = {n: torch.randn(batch, n, device=weight.device, dtype=weight.dtype)
               for n in {lin.in_features for lin in linears}}
     hidden = inputs[model.config.hidden_size]

@@ -89,6 +89,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         probs = sorted_logits.softmax(-1)
         # drop a token when the tokens ranked above it already reach top_p (the top token always stays)
         drop = (probs.cumsum(-1) - probs) >= top_p
+        drop[..., 0] = False  # also when top_p is below float32's range and compares as 0
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return logits
 
@@ -103,7 +104,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     for i, (p, gen) in enumerate(zip(params, generators)):
         if p.greedy:
             continue
-        row = filter_logits(logits[i].float() / p.temperature, p.top_k, p.top_p)
+        row = logits[i].double()
+        # shifted so the largest is 0, and divided in float64: a tiny temperature then sends the others to
+        # -inf, rather than the largest to +inf or the temperature to float32's 0 (either makes a NaN)
+        row = filter_logits(((row - row.max()) / p.temperature).float(), p.top_k, p.top_p)
         probs = row.softmax(-1)
         tokens[i] = int(torch.multinomial(probs.cpu(), 1, generator=gen))
     return tokens

@@ -1,8 +1,10 @@
-"""Weight-only quantization formats on random tensors: exact packing, error bounds, kernels against references."""
+"""Weight-only quantization: the formats on random tensors (exact packing, error bounds, kernels against
+dequantized references), the engine with quantized layers on a tiny model and on the real one."""
 
 import pytest
 import torch
 
+from conftest import requires_default_model
 from minillm import quant
 
 SHAPES = [(64, 128), (96, 256), (8, 64)]
@@ -74,3 +76,60 @@ def test_bad_shapes_are_named():
     q4, s4, z4 = quant.quantize_int4(weight((16, 64)), 16)
     with pytest.raises(ValueError, match="int4 kernel"):
         quant.int4_linear(torch.randn(1, 64), *quant.to_int4pack(q4, s4, z4), 16)
+
+
+@pytest.mark.parametrize("method,group_size", [("int8", 64), ("int4", 32), ("fp8", 64)])
+def test_quantized_engine_matches_its_dequantized_weights(tiny_llama, method, group_size):
+    """The engine with quantized layers computes what a float32 model with the dequantized weights computes,
+    up to the bfloat16 rounding of the activations the int8/int4 kernels take."""
+    from minillm import LLM, SamplingParams
+    from minillm.layers import Linear
+
+    llm = LLM(tiny_llama, device="cpu", dtype=torch.float32, num_kv_blocks=32, block_size=4,
+              quantization=method, quantization_group_size=group_size)
+    ref = LLM(tiny_llama, device="cpu", dtype=torch.float32, num_kv_blocks=32, block_size=4)
+    quantized = dict(llm.engine.model.named_modules())
+    with torch.no_grad():
+        for name, module in ref.engine.model.named_modules():
+            if isinstance(module, Linear):
+                assert isinstance(quantized[name], quant.QuantLinear)
+                module.weight.copy_(quantized[name].dequantized_weight())
+                if module.packed is not None:
+                    module.pack()
+    prompt = list(range(5, 30))
+    ours, theirs = llm.engine.next_token_logits(prompt), ref.engine.next_token_logits(prompt)
+    assert (ours - theirs).abs().max() <= 0.02 * theirs.abs().max()
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 6
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+def test_keep_list_and_bad_names(tiny_llama):
+    from minillm import LLM
+    from minillm.layers import Linear
+
+    llm = LLM(tiny_llama, device="cpu", dtype=torch.float32, num_kv_blocks=32, block_size=4)
+    replaced = quant.quantize_model(llm.engine.model, "int8", keep=("layers.0.mlp.down_proj",))
+    assert "layers.0.mlp.down_proj" not in replaced and "layers.1.mlp.down_proj" in replaced
+    assert isinstance(llm.engine.model.layers[0].mlp.down_proj, Linear)
+    with pytest.raises(ValueError, match="'int3'"):
+        LLM(tiny_llama, device="cpu", quantization="int3")
+
+
+@requires_default_model
+@pytest.mark.slow
+def test_default_model_quantized_logits_stay_close():
+    """On the real model: int8's next-token scores stay close to float32's; int4 in groups of 32 almost
+    coincide with them (the published weights come from a GGUF file quantized in groups of 32)."""
+    from minillm import LLM
+
+    prompt = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
+    base = LLM(enable_prefix_caching=False, num_kv_blocks=64).engine.next_token_logits(prompt)
+    for method, group_size, least in (("int8", 64, 0.999), ("int4", 32, 0.9999)):
+        llm = LLM(enable_prefix_caching=False, num_kv_blocks=64, quantization=method,
+                  quantization_group_size=group_size)
+        logits = llm.engine.next_token_logits(prompt)
+        assert torch.nn.functional.cosine_similarity(logits, base, dim=0) >= least, method
+        assert logits.argmax() == base.argmax()
+    with pytest.raises(ValueError, match="group size 128 must divide the 576 inputs"):
+        LLM(quantization="int4", quantization_group_size=128)

@@ -48,3 +48,17 @@ def test_sampling_follows_the_distribution():
     counts = torch.bincount(torch.tensor([sample(logits, [SamplingParams(temperature=1.0)], [gen])[0]
                                           for _ in range(3000)]), minlength=3)
     torch.testing.assert_close(counts / 3000, logits.softmax(-1)[0], atol=0.03, rtol=0)
+
+
+def test_tiny_temperatures_sample_the_top_token_without_nan():
+    logits = torch.tensor([[1.0, 3.0, 2.0], [40.0, -5.0, 39.0]])
+    for temperature in (1e-30, 1e-300, 5e-324):
+        params = [SamplingParams(temperature=temperature, seed=1)] * 2
+        assert sample(logits, params, [torch.Generator().manual_seed(1) for _ in params]) == [1, 0]
+
+
+def test_top_p_below_float32_range_keeps_the_top_token():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    assert torch.isfinite(filter_logits(logits, 0, 1e-47)).sum() == 1
+    params = [SamplingParams(temperature=1.0, top_p=1e-47, seed=3)]
+    assert sample(logits, params, [torch.Generator().manual_seed(3)]) == [1]

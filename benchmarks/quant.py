@@ -23,12 +23,12 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minillm import LLM, quant, threads
+from minillm.roofline import decode_linears
 
 
 def step_products(model, batch: int, group_size: int) -> dict[str, object]:
     """name -> a function running every product of one decode step in that format."""
-    linears = [lin for layer in model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    linears = decode_linears(model)
     weights = [lin.weight.detach() for lin in linears] + [model.embed_tokens.weight.detach()]
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
     int8 = [quant.quantize_int8(w) for w in weights]

@@ -64,7 +64,6 @@ class LLMEngine:
             if self.device.type != "cpu" and quantization != "fp8":
                 raise ValueError(f"quantization {quantization!r} runs PyTorch's CPU kernels; on a GPU use 'fp8'")
             quantize_model(self.model, quantization, quantization_group_size)
-        self.quantization = quantization
         if num_kv_blocks is None:
             num_kv_blocks = blocks_for_budget(self.config, block_size, self.dtype, self._kv_budget())
         self.kv_cache = KVCache.allocate(self.config, num_kv_blocks, block_size, self.dtype, self.device)

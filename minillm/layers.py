@@ -164,6 +164,12 @@ def dispatch_mode_active() -> bool:
     return _get_current_dispatch_mode() is not None
 
 
+def runs_packed(packed: torch.Tensor | None) -> bool:
+    """Whether a product should use its oneDNN-packed weight: there is one, no gradient is wanted, and no
+    dispatch mode is watching (those get the plain weight through `F.linear`)."""
+    return packed is not None and not torch.is_grad_enabled() and not dispatch_mode_active()
+
+
 class Linear(nn.Linear):
     """`nn.Linear` that runs on a oneDNN-packed copy of its weight once `pack()` has made one.
 
@@ -177,7 +183,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`x W^T + b`, plus `residual` when given (the block's skip connection, fused into the product)."""
-        if self.packed is not None and x.dim() == 2 and not torch.is_grad_enabled() and not dispatch_mode_active():
+        if x.dim() == 2 and runs_packed(self.packed):
             return packed_linear(x, self.packed, self.bias, residual)
         y = F.linear(x, self.weight, self.bias)
         return y if residual is None else y + residual

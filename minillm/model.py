@@ -18,8 +18,8 @@ from torch import nn
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
 from .host_memory import huge_page_empty, use_huge_pages
-from .layers import (Linear, RMSNorm, RotaryEmbedding, dispatch_mode_active, make_linear, pack_weight, packed_linear,
-                     rotate, silu_and_mul, use_packed_weights)
+from .layers import (Linear, RMSNorm, RotaryEmbedding, make_linear, pack_weight, packed_linear, rotate, runs_packed,
+                     silu_and_mul, use_packed_weights)
 
 
 class Attention(nn.Module):
@@ -113,7 +113,7 @@ class CausalLM(nn.Module):
         """Vocabulary scores from hidden states (the tied head reuses the embedding matrix)."""
         if self.lm_head is not None:
             return self.lm_head.forward(hidden)
-        if self.packed_head is not None and not torch.is_grad_enabled() and not dispatch_mode_active():
+        if runs_packed(self.packed_head):
             return packed_linear(hidden, self.packed_head)
         return F.linear(hidden, self.embed_tokens.weight)
 

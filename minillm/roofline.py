@@ -210,12 +210,17 @@ def measure_matmul_flops(n: int | None = None, dtype: torch.dtype | None = None,
     return 2 * n ** 3 / time_median(lambda: x @ y, device, repeats, warmup=2)
 
 
+def decode_linears(model) -> list:
+    """The linear layers a decode step runs, in call order: q/k/v, o, gate/up, down of every block (not the head)."""
+    return [lin for layer in model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
+
 def matvec_step(model, batch: int = 1) -> Callable[[], None]:
     """A decode step stripped to its matrix products: `[batch, in]` inputs through each of the model's own linear
     layers and its head, called as the model calls them (oneDNN-packed where the model is), and nothing else
     (no attention, norms, Python between layers)."""
-    linears = [lin for layer in model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    linears = decode_linears(model)
     weight = model.embed_tokens.weight  # for device and dtype (a quantized layer has no float weight)
     inputs = {n: torch.randn(batch, n, device=weight.device, dtype=weight.dtype)
               for n in {lin.in_features for lin in linears}}

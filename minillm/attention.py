@@ -7,6 +7,7 @@ sequence's block table, so the same code serves one request or a continuously ba
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -74,16 +75,49 @@ class _Part:
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write the new tokens' keys and values `[tokens, kv_heads, head_dim]` into their cache slots."""
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """Write the new tokens' keys and values `[tokens, kv_heads, head_dim]` into their cache slots; into a
+    quantized pool (int8 or fp8, with `k_scale`/`v_scale`), each vector quantized with a scale of its own."""
+    if k_scale is None:
+        k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+        return
+    for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        q, s = quantize_kv(x, cache.dtype)
+        _bytes(cache).view(-1, *x.shape[1:]).index_copy_(0, slot_mapping, _bytes(q))
+        scales.view(-1, x.shape[1]).index_copy_(0, slot_mapping, s)
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` cached vectors of one sequence, `[length, kv_heads, head_dim]`."""
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys or values `[tokens, kv_heads, head_dim]` as `dtype` (int8 or fp8) with one float32 scale per vector
+    `[tokens, kv_heads]`: symmetric, the vector's largest magnitude on the format's largest value."""
+    from .quant import quantize_fp8, quantize_int8
+
+    q, scale = (quantize_int8 if dtype == torch.int8 else quantize_fp8)(x.reshape(-1, x.shape[-1]))
+    return q.view(x.shape), scale.view(x.shape[:-1])
+
+
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `quantize_kv`, in `dtype`."""
+    return (q.float() * scale[..., None]).to(dtype)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A one-byte pool seen as bytes: PyTorch copies rows of bytes but has no index_copy_ for float8."""
+    return t.view(torch.uint8)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, scales: torch.Tensor | None = None,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The first `length` cached vectors of one sequence, `[length, kv_heads, head_dim]` (dequantized into
+    `dtype` when the pool is quantized and `scales` are its scales)."""
     block_size = cache.shape[1]
-    return gather_blocks(cache, block_table[:-(-length // block_size)]).flatten(0, 1)[:length]
+    table = block_table[:-(-length // block_size)]
+    if scales is None:
+        return gather_blocks(cache, table).flatten(0, 1)[:length]
+    q = gather_blocks(_bytes(cache), table).flatten(0, 1)[:length].view(cache.dtype)
+    return dequantize_kv(q, gather_blocks(scales, table).flatten(0, 1)[:length], dtype)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -96,22 +130,24 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, meta: _Part, scale: float) -> torch.Tensor:
+                      v_cache: torch.Tensor, meta: _Part, scale: float, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention for packed new tokens `[tokens, heads, head_dim]`, each sequence on its own.
 
     A sequence whose earlier tokens are already cached attends to them too: the causal mask is aligned
-    to the bottom right, so new token i sees every cached token and new tokens 0..i.
+    to the bottom right, so new token i sees every cached token and new tokens 0..i. With a quantized pool
+    every key and value is read back from the pool, so prefill sees the same rounded values decode will.
     """
     out = torch.empty_like(q)
     start = 0
     for i, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens_list)):
         qi = q[start:start + qlen].transpose(0, 1)
-        if ctx == qlen:  # nothing cached before: the fresh k, v are the whole context
+        if ctx == qlen and k_scale is None:  # nothing cached before: the fresh k, v are the whole context
             ki, vi = k[start:start + qlen], v[start:start + qlen]
             mask, causal = None, True
         else:
-            ki = gather_kv(k_cache, meta.block_tables[i], ctx)
-            vi = gather_kv(v_cache, meta.block_tables[i], ctx)
+            ki = gather_kv(k_cache, meta.block_tables[i], ctx, k_scale, q.dtype)
+            vi = gather_kv(v_cache, meta.block_tables[i], ctx, v_scale, q.dtype)
             rows = torch.arange(qlen, device=q.device)[:, None] + (ctx - qlen)
             mask, causal = torch.arange(ctx, device=q.device)[None, :] <= rows, False
         o = F.scaled_dot_product_attention(qi, ki.transpose(0, 1), vi.transpose(0, 1), attn_mask=mask,
@@ -121,8 +157,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     return out
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: _Part, scale: float) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: _Part, scale: float,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per sequence, `q: [num_seqs, heads, head_dim]`, attending to its whole cached context.
 
     The slots to read are worked out at the first layer and kept on the step's metadata for the others, so
@@ -135,25 +171,37 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     seqs, longest = meta.gather_slots.shape
     kv_heads, head_dim = k_cache.shape[2:]
     index = meta.gather_slots.view(-1)
-    k = k_cache.view(-1, kv_heads, head_dim).index_select(0, index).view(seqs, longest, kv_heads, head_dim)
-    v = v_cache.view(-1, kv_heads, head_dim).index_select(0, index).view(seqs, longest, kv_heads, head_dim)
+    if k_scale is None:
+        k = k_cache.view(-1, kv_heads, head_dim).index_select(0, index).view(seqs, longest, kv_heads, head_dim)
+        v = v_cache.view(-1, kv_heads, head_dim).index_select(0, index).view(seqs, longest, kv_heads, head_dim)
+    else:
+        k, v = (dequantize_kv(_bytes(c).view(-1, kv_heads, head_dim).index_select(0, index).view(c.dtype),
+                              s.view(-1, kv_heads).index_select(0, index), q.dtype)
+                .view(seqs, longest, kv_heads, head_dim) for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
     o = F.scaled_dot_product_attention(q.view(seqs, kv_heads, -1, head_dim), k.transpose(1, 2), v.transpose(1, 2),
                                        attn_mask=meta.mask, scale=scale)
     return o.reshape(q.shape)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Store this step's K/V, then attend: the prefill part and the decode part each through its own path."""
-    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Store this step's K/V, then attend: the prefill part and the decode part each through its own path.
+
+    A quantized pool (`k_scale`, `v_scale` given) is read by the PyTorch paths, which dequantize what they gather.
+    """
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     p = meta.num_prefill_tokens
-    prefill, decode = (triton_prefill_attention, triton_decode_attention) if meta.use_triton else \
-        (prefill_attention, cpu_decode_attention if meta.use_cpu_kernel else decode_attention)
+    if k_scale is not None:
+        prefill = functools.partial(prefill_attention, k_scale=k_scale, v_scale=v_scale)
+        decode = functools.partial(decode_attention, k_scale=k_scale, v_scale=v_scale)
+    elif meta.use_triton:
+        prefill, decode = triton_prefill_attention, triton_decode_attention
+    else:
+        prefill, decode = prefill_attention, cpu_decode_attention if meta.use_cpu_kernel else decode_attention
     if meta.prefill is None:  # a decode-only step, the common case
         return decode(q, k_cache, v_cache, meta.decode, scale)
-    parts = []
-    if meta.prefill is not None:
-        parts.append(prefill(q[:p], k[:p], v[:p], k_cache, v_cache, meta.prefill, scale))
+    parts = [prefill(q[:p], k[:p], v[:p], k_cache, v_cache, meta.prefill, scale)]
     if meta.decode is not None:
         parts.append(decode(q[p:], k_cache, v_cache, meta.decode, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -12,7 +12,8 @@ import torch
 
 from .block_manager import BlockManager
 from .config import ModelConfig
-from .kv_cache import KVCache, blocks_for_budget
+from .kernels import triton_available
+from .kv_cache import KVCache, blocks_for_budget, kv_cache_storage_dtype
 from .metrics import RequestMetrics
 from .model import load_model
 from .model_runner import ModelRunner, SeqResult
@@ -45,13 +46,14 @@ class LLMEngine:
     def __init__(self, model: str | Path | None = None, device=None, dtype=None, load_format: str = "auto",
                  block_size: int = 16, num_kv_blocks: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True, *,
-                 quantization: str | None = None, quantization_group_size: int = 64):
+                 quantization: str | None = None, quantization_group_size: int = 64, kv_cache_dtype: str = "auto"):
         from transformers import AutoTokenizer
 
         if block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must all be >= 1")
         if quantization is not None and quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization {quantization!r} is not supported; use None or one of {QUANTIZATIONS}")
+        kv_cache_storage_dtype(kv_cache_dtype, torch.float32)  # checks the name before anything loads
         self.path = resolve_model(model)
         check_architecture(self.path)
         self.config = ModelConfig.from_dir(self.path)
@@ -61,12 +63,15 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
         self.model = load_model(self.path, self.config, self.dtype, self.device, load_format)
         if quantization is not None:
-            if self.device.type != "cpu" and quantization != "fp8":
-                raise ValueError(f"quantization {quantization!r} runs PyTorch's CPU kernels; on a GPU use 'fp8'")
+            if self.device.type not in ("cpu", "cuda") or (self.device.type == "cuda" and quantization != "fp8"
+                                                            and not triton_available()):
+                raise ValueError(f"quantization {quantization!r} needs a CPU, or a GPU with Triton")
             quantize_model(self.model, quantization, quantization_group_size)
+        self.quantization, self.kv_cache_dtype = quantization, kv_cache_dtype
         if num_kv_blocks is None:
-            num_kv_blocks = blocks_for_budget(self.config, block_size, self.dtype, self._kv_budget())
-        self.kv_cache = KVCache.allocate(self.config, num_kv_blocks, block_size, self.dtype, self.device)
+            num_kv_blocks = blocks_for_budget(self.config, block_size, self.dtype, self._kv_budget(), kv_cache_dtype)
+        self.kv_cache = KVCache.allocate(self.config, num_kv_blocks, block_size, self.dtype, self.device,
+                                         kv_cache_dtype)
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
@@ -317,4 +322,6 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
+            "quantization": self.quantization,
+            "kv_cache_dtype": self.kv_cache_dtype,
         }

@@ -95,19 +95,43 @@ class ContiguousKVCache:
         return self.k[seq, :n], self.v[seq, :n]
 
 
+KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # besides "auto": the model's dtype
+
+
+def kv_cache_storage_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """What the pool stores for `kv_cache_dtype` ("auto" = the model's `dtype`, "int8", "fp8")."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; use 'auto', 'int8' or 'fp8'")
+    return KV_CACHE_DTYPES[kv_cache_dtype]
+
+
 @dataclass
 class KVCache:
-    """K and V pools, each `[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`."""
+    """K and V pools, each `[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`.
+
+    A quantized pool (int8 or fp8) also keeps one float32 scale per stored vector, `k_scale` and `v_scale`
+    `[num_layers, num_blocks, block_size, num_kv_heads]`: each token's key (and value) in each head is scaled
+    so its largest element lands on the format's largest value, and is stored with its scale.
+    """
 
     k: torch.Tensor
     v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
     @classmethod
-    def allocate(cls, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str) -> "KVCache":
+    def allocate(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str, kv_cache_dtype: str = "auto") -> "KVCache":
         """Zero-filled pools (zeros, not empty: masked-out slots must never hold NaN)."""
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        store = kv_cache_storage_dtype(kv_cache_dtype, dtype)
+        k, v = (torch.zeros(shape, dtype=store, device=device) for _ in range(2))
+        if kv_cache_dtype == "auto":
+            return cls(k, v)
+        k_scale, v_scale = (torch.zeros(shape[:-1], dtype=torch.float32, device=device) for _ in range(2))
+        return cls(k, v, k_scale, v_scale)
 
     @property
     def num_blocks(self) -> int:
@@ -119,22 +143,44 @@ class KVCache:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The stored values' dtype (int8 or float8 for a quantized pool)."""
         return self.k.dtype
 
     @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        scales = 0 if self.k_scale is None else self.k_scale.nbytes + self.v_scale.nbytes
+        return self.k.nbytes + self.v.nbytes + scales
 
     def __post_init__(self) -> None:
-        self._layers = list(zip(self.k.unbind(0), self.v.unbind(0)))  # views, made once rather than every step
+        # views, made once rather than every step
+        parts = (self.k, self.v) if self.k_scale is None else (self.k, self.v, self.k_scale, self.v_scale)
+        self._layers = list(zip(*(t.unbind(0) for t in parts)))
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K and V pools of layer i, `[num_blocks, block_size, num_kv_heads, head_dim]` each."""
+    def layer(self, i: int) -> tuple[torch.Tensor, ...]:
+        """The K and V pools of layer i, `[num_blocks, block_size, num_kv_heads, head_dim]` each (then, for a
+        quantized pool, their scales `[num_blocks, block_size, num_kv_heads]`)."""
         return self._layers[i]
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block `src` onto block `dst` in every layer (copy-on-write of a shared block)."""
+        for pool in (self.k, self.v, self.k_scale, self.v_scale):
+            if pool is not None:
+                pool[:, dst].copy_(pool[:, src])
 
-def blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
+
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes one block of the pool takes over all layers, scales included."""
+    store = kv_cache_storage_dtype(kv_cache_dtype, dtype)
+    values = kv_cache_bytes(block_size, config.num_layers, config.num_kv_heads, config.head_dim, store.itemsize)
+    scales = 0 if kv_cache_dtype == "auto" else kv_cache_bytes(block_size, config.num_layers, config.num_kv_heads, 1, 4)
+    return values + scales
+
+
+def blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int,
+                      kv_cache_dtype: str = "auto") -> int:
     """How many blocks of the pool fit in `budget_bytes`."""
-    per_block = kv_cache_bytes(block_size, config.num_layers, config.num_kv_heads, config.head_dim,
-                               torch.empty((), dtype=dtype).element_size())
-    return max(1, budget_bytes // per_block)
+    return max(1, budget_bytes // kv_block_bytes(config, block_size, dtype, kv_cache_dtype))

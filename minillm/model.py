@@ -42,7 +42,8 @@ class Attention(nn.Module):
         qk = rotate(heads[:, :self.num_heads + self.num_kv_heads], *rope)  # q and k heads rotated together
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = heads[:, self.num_heads + self.num_kv_heads:]
-        o = paged_attention(q, k, v, *kv_cache, meta, self.scale)
+        k_cache, v_cache, *scales = kv_cache  # scales only for a quantized pool
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, *scales)
         return self.o_proj.forward(o.flatten(1), residual)
 
 

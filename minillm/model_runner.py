@@ -65,8 +65,7 @@ class ModelRunner:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate shared blocks (all layers) before a sequence writes into its own copy."""
         for src, dst in copies:
-            self.kv_cache.k[:, dst].copy_(self.kv_cache.k[:, src])
-            self.kv_cache.v[:, dst].copy_(self.kv_cache.v[:, src])
+            self.kv_cache.copy_block(src, dst)
 
     def run(self, step: SchedulerOutput) -> list[SeqResult]:
         """One forward pass; a next token for every sequence whose whole context is now computed.

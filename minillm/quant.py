@@ -14,6 +14,7 @@ whose int4 layout stores `(q - 8) * scale + zero'`, i.e. zero' = zero + 8 * scal
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's packed int4 CPU kernel accepts
@@ -108,67 +109,161 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
 QUANTIZATIONS = ("int8", "int4", "fp8")
 
 
+def _weight_storage(w: torch.Tensor, method: str, group_size: int) -> dict[str, torch.Tensor]:
+    """The tensors a quantized `[out, in]` weight keeps, laid out for the product kernels of w's device.
+
+    On a CPU: int8 `q` + bfloat16 `scale` for `_weight_int8pack_mm`; int4 in PyTorch's packed layout with its
+    `scales_and_zeros`. On a GPU: int8 `q` + `scale`, int4 as `pack_int4` bytes + `scale` + `zero` (group-wise),
+    the layouts of minillm's Triton kernels. fp8: `q` (float8_e4m3fn) + float32 `scale` everywhere.
+    """
+    if method == "int8":
+        q, scale = quantize_int8(w)
+        return {"q": q, "scale": scale.to(torch.bfloat16 if w.is_cpu else w.dtype)}
+    if method == "int4":
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group size {group_size} is not one of {INT4_GROUP_SIZES}")
+        q, scale, zero = quantize_int4(w, group_size)
+        if w.is_cpu:
+            packed, scales_and_zeros = to_int4pack(q, scale, zero)
+            return {"q": packed, "scale": scales_and_zeros.to(torch.bfloat16)}
+        return {"q": pack_int4(q), "scale": scale.to(w.dtype), "zero": zero.to(w.dtype)}
+    if method == "fp8":
+        q, scale = quantize_fp8(w)
+        return {"q": q, "scale": scale}
+    raise ValueError(f"quantization {method!r} is not supported; use one of {QUANTIZATIONS}")
+
+
 class QuantLinear(nn.Module):
     """A linear layer whose weight is stored in one of `QUANTIZATIONS`; used where `layers.Linear` was.
 
-    int8 and int4 run PyTorch's packed CPU kernels with bfloat16 activations (with float32 ones those kernels
-    are many times slower: `benchmarks/quant.py`); fp8 is dequantized at each call, a reference path.
+    On a CPU, int8 and int4 run PyTorch's packed kernels with bfloat16 activations (with float32 ones those
+    kernels are many times slower: `benchmarks/quant.py`); on a GPU they run minillm's Triton kernels, which
+    dequantize inside the product. fp8 is dequantized at each call: a storage format here, not a fast path.
     """
 
-    def __init__(self, linear: nn.Linear, method: str, group_size: int = 64):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, method: str, group_size: int = 64):
         super().__init__()
-        if method not in QUANTIZATIONS:
-            raise ValueError(f"quantization {method!r} is not supported; use one of {QUANTIZATIONS}")
         self.method, self.group_size = method, group_size
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.bias = linear.bias
-        w = linear.weight.detach()
-        if method == "int8":
-            q, scale = quantize_int8(w)
-            self.register_buffer("q", q)
-            self.register_buffer("scale", scale.to(torch.bfloat16))
-        elif method == "int4":
-            if group_size not in INT4_GROUP_SIZES:
-                raise ValueError(f"int4 group size {group_size} is not one of {INT4_GROUP_SIZES}")
-            packed, scales_and_zeros = to_int4pack(*quantize_int4(w, group_size))
-            self.register_buffer("q", packed)
-            self.register_buffer("scale", scales_and_zeros.to(torch.bfloat16))
-        else:
-            q, scale = quantize_fp8(w)
-            self.register_buffer("q", q)
-            self.register_buffer("scale", scale)
+        self.out_features, self.in_features = weight.shape
+        for name, tensor in _weight_storage(weight.detach(), method, group_size).items():
+            self.register_buffer(name, tensor)
+        self.bias = bias
+        self.zero: torch.Tensor | None = getattr(self, "zero", None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, method: str, group_size: int = 64) -> "QuantLinear":
+        return cls(linear.weight, linear.bias, method, group_size)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight this layer computes with (for references and tests)."""
         if self.method == "int8":
             return dequantize_int8(self.q, self.scale.float())
-        if self.method == "int4":
+        if self.method == "int4" and self.q.is_cpu:
             eye = torch.eye(self.in_features, dtype=torch.bfloat16)
             return int4_linear(eye, self.q, self.scale, self.group_size).float().T.contiguous()
+        if self.method == "int4":
+            return dequantize_int4(unpack_int4(self.q), self.scale.float(), self.zero.float())
         return dequantize_fp8(self.q, self.scale)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes this layer's weight occupies (quantized values, scales and zero points)."""
+        return sum(t.nbytes for t in (self.q, self.scale, self.zero) if t is not None)
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if self.method == "int8":
-            y = int8_linear(x.to(torch.bfloat16), self.q, self.scale).to(x.dtype)
-        elif self.method == "int4":
-            y = int4_linear(x.to(torch.bfloat16), self.q, self.scale, self.group_size).to(x.dtype)
+        """`x W^T + b` (plus `residual`), with x of any leading shape, in x's dtype."""
+        shape, x2 = x.shape, x.reshape(-1, x.shape[-1])
+        if self.method == "fp8":
+            y = F.linear(x2, dequantize_fp8(self.q, self.scale).to(x.dtype))
+        elif not x.is_cpu:
+            from .kernels.quant_matmul import int4_matmul, int8_matmul
+
+            y = (int8_matmul(x2, self.q, self.scale) if self.method == "int8"
+                 else int4_matmul(x2, self.q, self.scale, self.zero, self.group_size))
+        elif self.method == "int8":
+            y = int8_linear(x2.to(torch.bfloat16), self.q, self.scale).to(x.dtype)
         else:
-            y = torch.nn.functional.linear(x, dequantize_fp8(self.q, self.scale).to(x.dtype))
+            y = int4_linear(x2.to(torch.bfloat16), self.q, self.scale, self.group_size).to(x.dtype)
+        y = y.view(*shape[:-1], self.out_features)
         if self.bias is not None:
             y = y + self.bias
         return y if residual is None else y + residual
 
 
+class QuantEmbedding(nn.Module):
+    """The token embedding stored like a quantized weight: a lookup dequantizes only the rows it reads.
+
+    The rows use the plain layouts (`q` int8 or fp8 with a scale per row; int4 as `pack_int4` bytes with a scale
+    and zero per group), whatever the device: a lookup gathers rows, it does not run a product kernel.
+    """
+
+    def __init__(self, weight: torch.Tensor, method: str, group_size: int = 64):
+        super().__init__()
+        self.method, self.group_size, self.dtype = method, group_size, weight.dtype
+        self.num_embeddings, self.embedding_dim = weight.shape
+        w = weight.detach()
+        if method == "int4":
+            q, scale, zero = quantize_int4(w, group_size)
+            self.register_buffer("q", pack_int4(q))
+            self.register_buffer("zero", zero)
+        else:
+            q, scale = quantize_int8(w) if method == "int8" else quantize_fp8(w)
+            self.register_buffer("q", q)
+            self.zero = None
+        self.register_buffer("scale", scale)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.q, self.scale, self.zero) if t is not None)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The whole float32 table (for references and tests)."""
+        return self.forward(torch.arange(self.num_embeddings, device=self.q.device)).float()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.method == "int4":
+            rows = dequantize_int4(unpack_int4(self.q[input_ids]), self.scale[input_ids], self.zero[input_ids])
+        else:
+            rows = self.q[input_ids].float() * self.scale[input_ids, None]
+        return rows.to(self.dtype)
+
+
 def quantize_model(model: nn.Module, method: str, group_size: int = 64, keep: tuple[str, ...] = ()) -> list[str]:
-    """Replace every linear layer of `model` (not the tied head) by a `QuantLinear`, except those whose
-    qualified names are in `keep`, which stay in the model's dtype (mixed precision). Returns the names replaced."""
+    """Quantize `model` in place: every linear layer, and the token embedding and head (a tied head becomes a
+    `QuantLinear` of the embedding matrix, quantized once for each use), except the modules named in `keep`
+    (qualified names, e.g. "layers.0.mlp.down_proj", "embed_tokens", "lm_head"), which stay in the model's dtype
+    (mixed precision). The float weights replaced are freed. Returns the names quantized."""
     from .layers import Linear
 
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization {method!r} is not supported; use one of {QUANTIZATIONS}")
+    names = dict(model.named_modules())
+    unknown = [name for name in keep if name not in names and name != "lm_head"]
+    if unknown:
+        raise ValueError(f"keep names modules the model does not have: {unknown}")
     replaced = []
-    for name, module in list(model.named_modules()):
+    for name, module in list(names.items()):
         if isinstance(module, Linear) and name not in keep:
             parent_name, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, attr,
-                    QuantLinear(module, method, group_size))
+                    QuantLinear.from_linear(module, method, group_size))
             replaced.append(name)
+    embedding = model.embed_tokens.weight
+    if model.lm_head is None and "lm_head" not in keep:  # the tied head: a product over the embedding matrix
+        model.lm_head = QuantLinear(embedding, None, method, group_size)
+        model.packed_head = None
+        replaced.append("lm_head")
+    if "embed_tokens" not in keep:
+        model.embed_tokens = QuantEmbedding(embedding, method, group_size)
+        replaced.append("embed_tokens")
+    _release_float_storage(model)
     return replaced
+
+
+def _release_float_storage(model: nn.Module) -> None:
+    """Give each remaining parameter storage of its own: when the weights were loaded as slices of one block
+    (`minillm.model._move_to_huge_pages`), the block, and every replaced weight in it, lives until no slice is left."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.untyped_storage().nbytes() > p.nbytes:
+                p.data = p.data.clone()

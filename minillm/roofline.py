@@ -221,7 +221,7 @@ def matvec_step(model, batch: int = 1) -> Callable[[], None]:
     layers and its head, called as the model calls them (oneDNN-packed where the model is), and nothing else
     (no attention, norms, Python between layers)."""
     linears = decode_linears(model)
-    weight = model.embed_tokens.weight  # for device and dtype (a quantized layer has no float weight)
+    weight = model.norm.weight  # for device and dtype (a quantized layer has no float weight)
     inputs = {n: torch.randn(batch, n, device=weight.device, dtype=weight.dtype)
               for n in {lin.in_features for lin in linears}}
     hidden = inputs[model.config.hidden_size]

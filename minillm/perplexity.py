@@ -1,0 +1,96 @@
+"""Perplexity: how well a model predicts a text, token by token, measured through the engine itself.
+
+The log-probabilities come from the engine's own forward pass (`SamplingParams(prompt_logprobs=0)`), so
+what is measured is the model as it is served: its dtype, its kernels and its quantized weights. A text
+longer than one window is scored in overlapping windows (Hugging Face's sliding-window recipe): every
+token is scored once, with at least `window - stride` tokens of context except near the start.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from importlib.resources import files
+
+import numpy as np
+
+from .sampling import SamplingParams
+
+
+def eval_text() -> str:
+    """The text shipped with minillm for measuring perplexity: prose on several topics, then some code."""
+    return files(__package__).joinpath("data/eval_text.md").read_text(encoding="utf-8")
+
+
+def sliding_windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+    """`(begin, end, first)` per window: it reads tokens [begin, end) and scores tokens [first, end).
+
+    Windows start every `stride` tokens; each scores only the tokens no earlier window reached, so the
+    first token is never scored (nothing comes before it) and every other token is scored exactly once.
+    """
+    if not isinstance(window, int) or isinstance(window, bool) or window < 2:
+        raise ValueError(f"window must be an integer >= 2, got {window!r}")
+    if not isinstance(stride, int) or isinstance(stride, bool) or not 1 <= stride < window:
+        raise ValueError(f"stride must be an integer in [1, window - 1] = [1, {window - 1}], got {stride!r}")
+    if num_tokens < 2:
+        raise ValueError(f"need at least 2 tokens to score (the first has no context), got {num_tokens}")
+    spans, first = [], 1
+    for begin in range(0, num_tokens, stride):
+        end = min(begin + window, num_tokens)
+        spans.append((begin, end, first))
+        if end == num_tokens:
+            break
+        first = end
+    return spans
+
+
+def token_logprobs(llm, token_ids: list[int], window: int = 1024, stride: int | None = None) -> np.ndarray:
+    """Log-prob of each token after the first given the tokens before it (in its window): `len(token_ids) - 1`.
+
+    All windows go to the engine in one `generate` call, which batches them. A request that asks for
+    prompt log-probs takes no prefix-cache hits (the block manager computes every prompt position for
+    it), so a warm cache changes nothing; a window missing any position is an error, never a shifted
+    score. `stride` defaults to half the window.
+    """
+    stride = window // 2 if stride is None and isinstance(window, int) else stride
+    token_ids = list(token_ids)
+    spans = sliding_windows(len(token_ids), window, stride)
+    longest = max(end - begin for begin, end, _ in spans)
+    if longest >= llm.engine.max_model_len:
+        raise ValueError(f"window {window} is too long for this engine: a prompt holds at most "
+                         f"{llm.engine.max_model_len - 1} tokens")
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+    outs = llm.generate([token_ids[begin:end] for begin, end, _ in spans], params, use_tqdm=False)
+    logprobs = np.empty(len(token_ids) - 1)
+    for (begin, end, first), out in zip(spans, outs):
+        if len(out.prompt_logprobs) != end - begin:  # positions served from a cache would come back unscored
+            raise RuntimeError(f"the engine scored {len(out.prompt_logprobs) - 1} of a window's {end - begin - 1}"
+                               " prompt positions")
+        for pos in range(first, end):
+            logprobs[pos - 1] = out.prompt_logprobs[pos - begin][token_ids[pos]].logprob
+    return logprobs
+
+
+@dataclass
+class PerplexityResult:
+    """How many tokens were scored, their mean negative log-likelihood (nats), its exp, and each token's NLL."""
+
+    num_tokens: int
+    nll: float
+    perplexity: float
+    token_nll: np.ndarray  # one per scored token, in text order (token i + 1 of the tokenized text)
+
+
+def perplexity(llm, text: str | None = None, max_tokens: int | None = None, window: int = 1024,
+               stride: int = 512) -> PerplexityResult:
+    """Perplexity of `text` (default: `eval_text()`), or of its first `max_tokens` tokens, under `llm`'s model."""
+    if text is None:
+        text = eval_text()
+    if not isinstance(text, str):
+        raise ValueError(f"text must be a string, got {type(text).__name__}")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 2):
+        raise ValueError(f"max_tokens must be an integer >= 2 or None, got {max_tokens!r}")
+    _, token_ids = llm.engine.tokenize(text)
+    token_nll = -token_logprobs(llm, token_ids[:max_tokens], window, stride)
+    nll = float(token_nll.mean())
+    return PerplexityResult(len(token_nll), nll, math.exp(nll), token_nll)

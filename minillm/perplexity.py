@@ -94,3 +94,40 @@ def perplexity(llm, text: str | None = None, max_tokens: int | None = None, wind
     token_nll = -token_logprobs(llm, token_ids[:max_tokens], window, stride)
     nll = float(token_nll.mean())
     return PerplexityResult(len(token_nll), nll, math.exp(nll), token_nll)
+
+
+@dataclass
+class Agreement:
+    """How closely greedy decoding under one model follows a reference model's greedy outputs."""
+
+    prefix_tokens: list[int]  # per prompt: tokens equal to the reference's before the first difference
+    top1: float  # share of the reference's tokens that are also this model's first choice, given the same context
+    num_tokens: int  # reference tokens compared
+
+    @property
+    def identical(self) -> int:
+        """Prompts whose whole output equals the reference's."""
+        return sum(n == -1 for n in self.prefix_tokens)
+
+
+def greedy_agreement(llm, prompts: list[list[int]], reference: list[list[int]]) -> Agreement:
+    """Compare `llm`'s greedy outputs with `reference` (another model's greedy outputs for the same prompts).
+
+    Free-running outputs split for good at their first different token, after which the two texts diverge;
+    so the teacher-forced rate is given too: with the reference's tokens as context, how often this model's
+    top choice is the reference's next token (from its prompt log-probs, rank 1). In `prefix_tokens`, -1
+    marks an output equal to the reference's in full.
+    """
+    if len(prompts) != len(reference) or not all(reference):
+        raise ValueError("give one non-empty reference output per prompt")
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=len(r), ignore_eos=True) for r in reference],
+                        use_tqdm=False)
+    prefix = []
+    for out, ref in zip(outs, reference):
+        ours = out.outputs[0].token_ids
+        prefix.append(next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), -1))
+    params = SamplingParams(max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+    forced = llm.generate([p + r for p, r in zip(prompts, reference)], params, use_tqdm=False)
+    hits = [out.prompt_logprobs[len(p) + i][t].rank == 1
+            for out, p, r in zip(forced, prompts, reference) for i, t in enumerate(r)]
+    return Agreement(prefix, sum(hits) / len(hits), len(hits))

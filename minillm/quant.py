@@ -85,6 +85,22 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]
 
 
+def fake_quantize(w: torch.Tensor, method: str, group_size: int = 64) -> torch.Tensor:
+    """w rounded to `method`'s grid and back (float32): what a quantized layer computes with, for measuring a
+    format's error without its kernel. int4 takes any group size; a last group shorter than the others (128 does
+    not divide 576) is filled out with copies of its last column, which leave its minimum and maximum alone."""
+    if method == "int8":
+        return dequantize_int8(*quantize_int8(w))
+    if method == "fp8":
+        return dequantize_fp8(*quantize_fp8(w))
+    if method != "int4":
+        raise ValueError(f"quantization {method!r} is not supported; use one of {QUANTIZATIONS}")
+    _check_weight(w)
+    pad = -w.shape[1] % group_size
+    padded = F.pad(w.float()[None], (0, pad), mode="replicate")[0] if pad else w
+    return dequantize_int4(*quantize_int4(padded, group_size))[:, :w.shape[1]]
+
+
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x @ dequantize_int8(q, scale).T through PyTorch's packed int8 kernel (activations in x's dtype)."""
     return torch.ops.aten._weight_int8pack_mm(x, q, scale.to(x.dtype))

@@ -26,11 +26,13 @@ def _check_weight(w: torch.Tensor) -> None:
         raise ValueError(f"expected a 2-D floating-point weight [out, in], got {tuple(w.shape)} {w.dtype}")
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: (q int8 `[out, in]`, scale float32 `[out]`), w ~ q * scale."""
+def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (q int8 `[out, in]`, scale float32 `[out]`), w ~ q * scale. The scales
+    are rounded to `scale_dtype` first (a kernel that takes bfloat16 scales then computes with exactly these)."""
     _check_weight(w)
     w = w.float()
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    tiny = torch.finfo(scale_dtype).tiny
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=tiny).to(scale_dtype).float().clamp(min=tiny)
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
 
@@ -133,7 +135,7 @@ def _weight_storage(w: torch.Tensor, method: str, group_size: int) -> dict[str, 
     the layouts of minillm's Triton kernels. fp8: `q` (float8_e4m3fn) + float32 `scale` everywhere.
     """
     if method == "int8":
-        q, scale = quantize_int8(w)
+        q, scale = quantize_int8(w, torch.bfloat16)
         return {"q": q, "scale": scale.to(torch.bfloat16 if w.is_cpu else w.dtype)}
     if method == "int4":
         if group_size not in INT4_GROUP_SIZES:
@@ -223,7 +225,7 @@ class QuantEmbedding(nn.Module):
             self.register_buffer("q", pack_int4(q))
             self.register_buffer("zero", zero)
         else:
-            q, scale = quantize_int8(w) if method == "int8" else quantize_fp8(w)
+            q, scale = quantize_int8(w, torch.bfloat16) if method == "int8" else quantize_fp8(w)
             self.register_buffer("q", q)
             self.zero = None
         self.register_buffer("scale", scale)
@@ -244,11 +246,19 @@ class QuantEmbedding(nn.Module):
         return rows.to(self.dtype)
 
 
+def embedding_method(method: str) -> str:
+    """The format of the token embedding and the head under `method`: int4 keeps them in int8, as GGUF files keep
+    them in 8 or 6 bits. They are the model's most sensitive matrices (chapter 6 measures one layer at a time:
+    a 4-bit head alone costs this model 6 % perplexity) and a small share of a step's bytes."""
+    return "int8" if method == "int4" else method
+
+
 def quantize_model(model: nn.Module, method: str, group_size: int = 64, keep: tuple[str, ...] = ()) -> list[str]:
-    """Quantize `model` in place: every linear layer, and the token embedding and head (a tied head becomes a
-    `QuantLinear` of the embedding matrix, quantized once for each use), except the modules named in `keep`
-    (qualified names, e.g. "layers.0.mlp.down_proj", "embed_tokens", "lm_head"), which stay in the model's dtype
-    (mixed precision). The float weights replaced are freed. Returns the names quantized."""
+    """Quantize `model` in place: every linear layer in `method`, and the token embedding and head in
+    `embedding_method(method)` (a tied head becomes a `QuantLinear` of the embedding matrix, quantized once for
+    each use), except the modules named in `keep` (qualified names, e.g. "layers.0.mlp.down_proj",
+    "embed_tokens", "lm_head"), which stay in the model's dtype (mixed precision). The float weights replaced are
+    freed. Returns the names quantized."""
     from .layers import Linear
 
     if method not in QUANTIZATIONS:
@@ -261,16 +271,17 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 64, keep: tu
     for name, module in list(names.items()):
         if isinstance(module, Linear) and name not in keep:
             parent_name, _, attr = name.rpartition(".")
+            fmt = embedding_method(method) if name == "lm_head" else method
             setattr(model.get_submodule(parent_name) if parent_name else model, attr,
-                    QuantLinear.from_linear(module, method, group_size))
+                    QuantLinear.from_linear(module, fmt, group_size))
             replaced.append(name)
-    embedding = model.embed_tokens.weight
+    embedding, outer = model.embed_tokens.weight, embedding_method(method)
     if model.lm_head is None and "lm_head" not in keep:  # the tied head: a product over the embedding matrix
-        model.lm_head = QuantLinear(embedding, None, method, group_size)
+        model.lm_head = QuantLinear(embedding, None, outer, group_size)
         model.packed_head = None
         replaced.append("lm_head")
     if "embed_tokens" not in keep:
-        model.embed_tokens = QuantEmbedding(embedding, method, group_size)
+        model.embed_tokens = QuantEmbedding(embedding, outer, group_size)
         replaced.append("embed_tokens")
     _release_float_storage(model)
     return replaced
@@ -283,3 +294,24 @@ def _release_float_storage(model: nn.Module) -> None:
         for p in model.parameters():
             if p.untyped_storage().nbytes() > p.nbytes:
                 p.data = p.data.clone()
+
+
+def fake_quantize_model(model: nn.Module, method: str, group_size: int = 64, only: tuple[str, ...] | None = None
+                        ) -> list[str]:
+    """Round the float weights of `model`'s linear layers and token embedding (which a tied head shares) to a
+    format's grid in place (`fake_quantize`); the model keeps its float kernels. For measuring what a format, a
+    group size no kernel takes, or one layer at a time costs in accuracy. `only`: the module names to round."""
+    from .layers import Linear
+
+    targets = {name: m for name, m in model.named_modules()
+               if isinstance(m, (Linear, nn.Embedding)) and (only is None or name in only)}
+    if only is not None and len(targets) != len(set(only)):
+        raise ValueError(f"no float linear layer or embedding named {sorted(set(only) - targets.keys())}")
+    with torch.no_grad():
+        for module in targets.values():
+            module.weight.copy_(fake_quantize(module.weight, method, group_size))
+            if getattr(module, "packed", None) is not None:
+                module.pack()
+        if getattr(model, "packed_head", None) is not None and "embed_tokens" in targets:
+            model.pack_weights()
+    return list(targets)

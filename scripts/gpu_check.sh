@@ -16,5 +16,6 @@ status=0
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 "$py" scripts/gpu_timing.py 2>&1 | tee "$out/timing.txt" || status=1
 "$py" benchmarks/attention.py 2>&1 | tee "$out/attention.txt" || status=1
+"$py" benchmarks/quant_gpu.py 2>&1 | tee "$out/quant_gpu.txt" || status=1
 echo "gpu_check: $([ $status -eq 0 ] && echo ok || echo FAILED); logs in $out"
 exit $status

@@ -1,4 +1,5 @@
-"""minillm's Triton kernels: FlashAttention (dense, packed varlen, paged KV cache) and a tiled matmul (`.matmul`).
+"""minillm's Triton kernels: FlashAttention (dense, packed varlen, paged KV cache), a tiled matmul (`.matmul`) and
+products with int8/int4 weights dequantized inside the kernel (`int8_matmul`, `int4_matmul`).
 
 The attention functions have the `flash_attn` package's signatures; `reference` holds plain PyTorch versions
 with the same signatures, and `use_triton(device)` is the one place that decides which path runs (on a CPU,
@@ -14,11 +15,12 @@ from . import reference
 from .backend import interpreting, triton_available, use_cpu_kernel, use_triton
 from .online_softmax import combine_partials, merge_partials, partial_attention, tiled_attention
 
-_LAZY = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")  # from .api, on first use
+_LAZY = {"flash_attn_func": ".api", "flash_attn_varlen_func": ".api", "flash_attn_with_kvcache": ".api",
+         "int8_matmul": ".quant_matmul", "int4_matmul": ".quant_matmul"}  # module of each, loaded on first use
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "reference",
-           "use_triton", "use_cpu_kernel", "triton_available", "interpreting", "partial_attention", "merge_partials",
-           "combine_partials", "tiled_attention"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "int8_matmul", "int4_matmul",
+           "reference", "use_triton", "use_cpu_kernel", "triton_available", "interpreting", "partial_attention",
+           "merge_partials", "combine_partials", "tiled_attention"]
 
 
 def __getattr__(name: str):
@@ -26,5 +28,5 @@ def __getattr__(name: str):
         if not triton_available():
             raise ImportError(f"minillm.kernels.{name} needs the triton package (pip install triton); "
                               "minillm.kernels.reference has the plain PyTorch version")
-        return getattr(import_module(".api", __name__), name)
+        return getattr(import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,9 +13,13 @@ whose int4 layout stores `(q - 8) * scale + zero'`, i.e. zero' = zero + 8 * scal
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .kernels.int4_cpu import Int4Weight, int4_cpu_available, int4_cpu_isa, int4_matmul_cpu, pack_int4_cpu
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's packed int4 CPU kernel accepts
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
@@ -127,12 +131,22 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
 QUANTIZATIONS = ("int8", "int4", "fp8")
 
 
+def use_int4_c_kernel() -> bool:
+    """Whether int4 products on a CPU go through minillm's C kernel (`kernels/int4_matmul.c`: integer dot products
+    of the 4-bit codes with int8-rounded activations, as llama.cpp computes): when it builds with a vector path
+    for this CPU (its plain-C fallback is slower than PyTorch's kernel), unless `MINILLM_INT4_KERNEL=torch`."""
+    if os.environ.get("MINILLM_INT4_KERNEL", "auto") == "torch":
+        return False
+    return int4_cpu_available() and int4_cpu_isa() != "scalar"
+
+
 def _weight_storage(w: torch.Tensor, method: str, group_size: int) -> dict[str, torch.Tensor]:
     """The tensors a quantized `[out, in]` weight keeps, laid out for the product kernels of w's device.
 
-    On a CPU: int8 `q` + bfloat16 `scale` for `_weight_int8pack_mm`; int4 in PyTorch's packed layout with its
-    `scales_and_zeros`. On a GPU: int8 `q` + `scale`, int4 as `pack_int4` bytes + `scale` + `zero` (group-wise),
-    the layouts of minillm's Triton kernels. fp8: `q` (float8_e4m3fn) + float32 `scale` everywhere.
+    On a CPU: int8 `q` + bfloat16 `scale` for `_weight_int8pack_mm`; int4 in the C kernel's tiles (`q`, float16
+    `scale` and `zero`), or else PyTorch's packed layout with its `scales_and_zeros`. On a GPU: int8 `q` + `scale`,
+    int4 as `pack_int4` bytes + `scale` + `zero` (group-wise), the layouts of minillm's Triton kernels. fp8: `q`
+    (float8_e4m3fn) + float32 `scale` everywhere.
     """
     if method == "int8":
         q, scale = quantize_int8(w, torch.bfloat16)
@@ -141,6 +155,9 @@ def _weight_storage(w: torch.Tensor, method: str, group_size: int) -> dict[str, 
         if group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group size {group_size} is not one of {INT4_GROUP_SIZES}")
         q, scale, zero = quantize_int4(w, group_size)
+        if w.is_cpu and use_int4_c_kernel():
+            packed = pack_int4_cpu(q, scale, zero, group_size)
+            return {"q": packed.q, "scale": packed.scale, "zero": packed.zero}
         if w.is_cpu:
             packed, scales_and_zeros = to_int4pack(q, scale, zero)
             return {"q": packed, "scale": scales_and_zeros.to(torch.bfloat16)}
@@ -167,6 +184,8 @@ class QuantLinear(nn.Module):
             self.register_buffer(name, tensor)
         self.bias = bias
         self.zero: torch.Tensor | None = getattr(self, "zero", None)
+        # int4 on a CPU in the C kernel's layout (float16 scales mark it)
+        self.c_kernel = method == "int4" and self.q.is_cpu and self.scale.dtype == torch.float16
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, method: str, group_size: int = 64) -> "QuantLinear":
@@ -176,6 +195,8 @@ class QuantLinear(nn.Module):
         """The float32 weight this layer computes with (for references and tests)."""
         if self.method == "int8":
             return dequantize_int8(self.q, self.scale.float())
+        if self.c_kernel:  # an identity's rows are exact in int8, so this reads the weight back unchanged
+            return int4_matmul_cpu(torch.eye(self.in_features), self._int4_weight()).T.contiguous()
         if self.method == "int4" and self.q.is_cpu:
             eye = torch.eye(self.in_features, dtype=torch.bfloat16)
             return int4_linear(eye, self.q, self.scale, self.group_size).float().T.contiguous()
@@ -188,10 +209,18 @@ class QuantLinear(nn.Module):
         """Bytes this layer's weight occupies (quantized values, scales and zero points)."""
         return sum(t.nbytes for t in (self.q, self.scale, self.zero) if t is not None)
 
+    def _int4_weight(self) -> Int4Weight:
+        return Int4Weight(self.q, self.scale, self.zero, self.group_size, self.out_features, self.in_features)
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`x W^T + b` (plus `residual`), with x of any leading shape, in x's dtype."""
         shape, x2 = x.shape, x.reshape(-1, x.shape[-1])
-        if self.method == "fp8":
+        if self.c_kernel and x.dtype == torch.float32 and self.bias is None:  # the residual add fused in
+            r = None if residual is None else residual.reshape(-1, self.out_features).contiguous()
+            return int4_matmul_cpu(x2, self._int4_weight(), residual=r).view(*shape[:-1], self.out_features)
+        if self.c_kernel:
+            y = int4_matmul_cpu(x2.float(), self._int4_weight()).to(x.dtype)
+        elif self.method == "fp8":
             y = F.linear(x2, dequantize_fp8(self.q, self.scale).to(x.dtype))
         elif not x.is_cpu:
             from .kernels.quant_matmul import int4_matmul, int8_matmul

@@ -81,7 +81,8 @@ def test_bad_shapes_are_named():
 @pytest.mark.parametrize("method,group_size", [("int8", 64), ("int4", 32), ("fp8", 64)])
 def test_quantized_engine_matches_its_dequantized_weights(tiny_llama, method, group_size):
     """The engine with quantized layers computes what a float32 model with the dequantized weights computes,
-    up to the bfloat16 rounding of the activations the int8/int4 kernels take."""
+    up to the rounding of the activations the kernels take: bfloat16 (8 significant bits) for PyTorch's, int8
+    per block of 32 (7 bits and a sign against the block's largest value) for minillm's C int4 kernel."""
     from minillm import LLM, SamplingParams
     from minillm.layers import Linear
 
@@ -101,7 +102,8 @@ def test_quantized_engine_matches_its_dequantized_weights(tiny_llama, method, gr
             model.pack_weights()
     prompt = list(range(5, 30))
     ours, theirs = llm.engine.next_token_logits(prompt), ref.engine.next_token_logits(prompt)
-    assert (ours - theirs).abs().max() <= 0.02 * theirs.abs().max()
+    rounding = 0.04 if getattr(quantized["layers.0.mlp.down_proj"], "c_kernel", False) else 0.02
+    assert (ours - theirs).abs().max() <= rounding * theirs.abs().max()
     out = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 6
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]

@@ -26,18 +26,18 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
-def _build(directory: Path) -> Path:
-    """Compile and link the kernel into `directory` (named by a hash of source and flags); its path."""
+def _build(source: Path, directory: Path) -> Path:
+    """Compile and link the C file `source` into `directory` (named by a hash of source and flags); its path."""
     compiler = os.environ.get("CC", "cc")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *COMPILE_FLAGS, *LINK_FLAGS]).encode()).hexdigest()[:16]
-    library = directory / f"paged_decode_{key}.so"
+    text = source.read_bytes()
+    key = hashlib.sha256(text + " ".join([compiler, *COMPILE_FLAGS, *LINK_FLAGS]).encode()).hexdigest()[:16]
+    library = directory / f"{source.stem}_{key}.so"
     if library.exists():
         return library
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:  # built aside, then renamed: safe for parallel builds
-        obj, lib = Path(tmp) / "paged_decode.o", Path(tmp) / library.name
-        for cmd in ([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+        obj, lib = Path(tmp) / f"{source.stem}.o", Path(tmp) / library.name
+        for cmd in ([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
                     [compiler, *LINK_FLAGS, str(obj), "-o", str(lib), "-lmvec", "-lm"]):
             subprocess.run(cmd, check=True, capture_output=True, text=True)
         os.replace(lib, library)
@@ -50,7 +50,7 @@ def _kernel():
     from ..weights import cache_dir
 
     try:
-        lib = ctypes.CDLL(str(_build(cache_dir() / "kernels")))
+        lib = ctypes.CDLL(str(_build(SOURCE, cache_dir() / "kernels")))
     except (OSError, subprocess.CalledProcessError):
         return None
     fn = lib.paged_decode_f32

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import dequantize_int4, dequantize_int8, unpack_int4
 
 
 def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
@@ -85,6 +84,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def int8_matmul_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x `[M, K]` @ the int8 weight (q `[N, K]`, scale `[N]`) transposed -> `[M, N]` in x's dtype."""
+    from ..quant import dequantize_int8  # imported here: minillm.quant imports minillm.kernels
+
     return (x.float() @ dequantize_int8(q, scale.float()).T).to(x.dtype)
 
 
@@ -94,5 +95,7 @@ def int4_matmul_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
     transposed -> `[M, N]` in x's dtype."""
     if scale.shape[1] * group_size != 2 * packed.shape[1]:
         raise ValueError(f"{scale.shape[1]} groups of {group_size} do not cover the {2 * packed.shape[1]} inputs")
+    from ..quant import dequantize_int4, unpack_int4
+
     w = dequantize_int4(unpack_int4(packed), scale.float(), zero.float())
     return (x.float() @ w.T).to(x.dtype)

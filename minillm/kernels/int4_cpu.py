@@ -1,0 +1,135 @@
+"""int4 weight-only products on a CPU in C (`int4_matmul.c`): integer dot products at memory speed.
+
+PyTorch's `_weight_int4pack_mm_for_cpu` takes bfloat16 activations and, at batch 1, reads its weights far below
+the memory's speed. llama.cpp's way is faster: quantize each row of x to int8 per block of 32 and multiply the
+4-bit codes with it in integers (AVX512-VNNI's `vpdpbusd`, AVX2's `vpmaddubsw`), scaling once per block. This
+module lays a weight of `minillm.quant.quantize_int4` out for that kernel, built like `minillm.kernels.cpu`'s.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .cpu import _build
+
+SOURCE = Path(__file__).with_name("int4_matmul.c")
+ROWS = 16  # weight rows per tile of the kernel's layout
+BLOCK = 32  # inputs per int8 block of the activations; group sizes are multiples of it
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """A `[out_features, in_features]` int4 weight in the kernel's layout (see `int4_matmul.c`): `q` uint8
+    `[tiles, in / 8, 16, 4]` (two codes a byte, 16 rows interleaved), `scale` and `zero` float16 `[tiles, in / G,
+    16]`, the output rows padded to a multiple of 16."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group_size: int
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the packed weight occupies: 1/2 byte per weight plus 4 bytes per group of each padded row."""
+        return self.q.nbytes + self.scale.nbytes + self.zero.nbytes
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    """The compiled library at `path`, its functions' signatures declared."""
+    lib = ctypes.CDLL(str(path))
+    lib.int4_matmul_f32.restype = None
+    lib.int4_matmul_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4
+    lib.int4_matmul_isa.restype = ctypes.c_char_p
+    lib.int4_matmul_isa.argtypes = []
+    return lib
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The library built for this machine, or None when it cannot be built here (no compiler, not Linux/glibc)."""
+    from ..weights import cache_dir
+
+    try:
+        return _load(_build(SOURCE, cache_dir() / "kernels"))
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def int4_cpu_available() -> bool:
+    """Whether the C int4 kernel is built (building it now if needed) and loadable on this machine."""
+    return _library() is not None
+
+
+def int4_cpu_isa() -> str:
+    """The instructions the kernel was compiled for on this machine: "avx512vnni", "avx2" or "scalar"."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the C int4 kernel could not be built here (is a C compiler installed?)")
+    return lib.int4_matmul_isa().decode()
+
+
+def _tiles(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """`[N, C, ...]` padded with zeros to a multiple of 16 rows and reordered to `[N / 16, C, 16, ...]`."""
+    t = torch.cat((t, t.new_zeros(rows - t.shape[0], *t.shape[1:]))) if rows > t.shape[0] else t
+    return t.view(rows // ROWS, ROWS, *t.shape[1:]).transpose(1, 2).contiguous()
+
+
+def pack_int4_cpu(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> Int4Weight:
+    """The kernel's layout of `quantize_int4`'s output (q uint8 `[N, K]` in 0..15, scale and zero `[N, K / G]`),
+    w = q * scale + zero. `group_size` a multiple of 32 that divides K; scales and zeros are kept in float16."""
+    if q.dim() != 2 or q.dtype != torch.uint8 or q.device.type != "cpu":
+        raise ValueError(f"q must be a 2-D uint8 CPU tensor, got {tuple(q.shape)} {q.dtype} on {q.device}")
+    n, k = q.shape
+    if group_size <= 0 or group_size % BLOCK or k % group_size:
+        raise ValueError(f"group size {group_size} must be a multiple of {BLOCK} dividing the {k} inputs")
+    for name, t in (("scale", scale), ("zero", zero)):
+        if t.shape != (n, k // group_size) or not t.is_floating_point() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a floating-point CPU tensor of shape {(n, k // group_size)}, "
+                             f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+    if q.numel() and int(q.max()) > 15:
+        raise ValueError(f"int4 codes must lie in 0..15, found {int(q.max())}")
+    halves = scale.to(torch.float16), zero.to(torch.float16)
+    if not all(bool(h.isfinite().all()) for h in halves):
+        raise ValueError("scales and zero points must be finite in float16 (|value| <= 65504)")
+    rows = -(-n // ROWS) * ROWS
+    codes = _tiles(q.reshape(n, k // 8, 2, 4), rows)  # [tiles, K / 8, 16, 2, 4]: codes 8c + 4h + i
+    packed = codes[..., 0, :] | (codes[..., 1, :] << 4)
+    return Int4Weight(packed.contiguous(), _tiles(halves[0], rows), _tiles(halves[1], rows), group_size, n, k)
+
+
+def _check_output(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
+    if t.dtype != torch.float32 or not t.is_cpu or t.shape != (rows, cols) or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous float32 CPU tensor of shape {(rows, cols)}, "
+                         f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+
+
+def int4_matmul_cpu(x: torch.Tensor, w: Int4Weight, residual: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ W^T (+ residual)` for x float32 `[M, K]` on a CPU, into `out` (float32 `[M, N]`, contiguous; may be
+    `residual` itself) or a new tensor. x is rounded to int8 per block of 32 inside: the result differs from
+    float32 activations by about 0.5 % of the output's scale (see `tests/test_int4_cpu.py`)."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the C int4 kernel could not be built here (is a C compiler installed?)")
+    if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"x must be a float32 CPU tensor [M, {w.in_features}], got {tuple(x.shape)} {x.dtype} "
+                         f"on {x.device}")
+    m, n = x.shape[0], w.out_features
+    if residual is not None:
+        _check_output("residual", residual, m, n)
+    if out is None:
+        out = torch.empty(m, n)
+    else:
+        _check_output("out", out, m, n)
+    x = x.contiguous()
+    lib.int4_matmul_f32(x.data_ptr(), w.q.data_ptr(), w.scale.data_ptr(), w.zero.data_ptr(),
+                        None if residual is None else residual.data_ptr(), out.data_ptr(), m, n, w.in_features,
+                        w.group_size)
+    return out

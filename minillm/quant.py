@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels.int4_cpu import Int4Weight, int4_cpu_available, int4_cpu_isa, int4_matmul_cpu, pack_int4_cpu
+from .kernels.int4_cpu import (Int4Weight, Int8Weight, bind, int4_cpu_available, int4_cpu_isa, matmul_unchecked,
+                               pack_int4_cpu, pack_int8_cpu)
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's packed int4 CPU kernel accepts
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
@@ -131,33 +132,37 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
 QUANTIZATIONS = ("int8", "int4", "fp8")
 
 
-def use_int4_c_kernel() -> bool:
-    """Whether int4 products on a CPU go through minillm's C kernel (`kernels/int4_matmul.c`: integer dot products
-    of the 4-bit codes with int8-rounded activations, as llama.cpp computes): when it builds with a vector path
-    for this CPU (its plain-C fallback is slower than PyTorch's kernel), unless `MINILLM_INT4_KERNEL=torch`."""
-    if os.environ.get("MINILLM_INT4_KERNEL", "auto") == "torch":
+def use_c_kernel() -> bool:
+    """Whether int8 and int4 products on a CPU go through minillm's C kernel (`kernels/int4_matmul.c`: integer dot
+    products of the weight codes with int8-rounded activations, as llama.cpp computes): when it builds with a vector
+    path for this CPU (its plain-C fallback is slower than PyTorch's kernels), unless `MINILLM_QUANT_KERNEL=torch`."""
+    if os.environ.get("MINILLM_QUANT_KERNEL", "auto") == "torch":
         return False
     return int4_cpu_available() and int4_cpu_isa() != "scalar"
 
 
-def _weight_storage(w: torch.Tensor, method: str, group_size: int) -> dict[str, torch.Tensor]:
+def _weight_storage(w: torch.Tensor, method: str, group_size: int) -> dict[str, object]:
     """The tensors a quantized `[out, in]` weight keeps, laid out for the product kernels of w's device.
 
-    On a CPU: int8 `q` + bfloat16 `scale` for `_weight_int8pack_mm`; int4 in the C kernel's tiles (`q`, float16
-    `scale` and `zero`), or else PyTorch's packed layout with its `scales_and_zeros`. On a GPU: int8 `q` + `scale`,
-    int4 as `pack_int4` bytes + `scale` + `zero` (group-wise), the layouts of minillm's Triton kernels. fp8: `q`
-    (float8_e4m3fn) + float32 `scale` everywhere.
+    On a CPU with the C kernel: its tiles (`q`, `scale`, and `zero` for int4) under "kernel", the weight object the
+    kernel takes. Otherwise on a CPU: int8 `q` + bfloat16 `scale` for `_weight_int8pack_mm`, int4 in PyTorch's packed
+    layout with its `scales_and_zeros`. On a GPU: int8 `q` + `scale`, int4 as `pack_int4` bytes + `scale` + `zero`
+    (group-wise), the layouts of minillm's Triton kernels. fp8: `q` (float8_e4m3fn) + float32 `scale` everywhere.
     """
+    c_kernel = w.is_cpu and method in ("int8", "int4") and use_c_kernel() and w.shape[1] % 32 == 0
     if method == "int8":
         q, scale = quantize_int8(w, torch.bfloat16)
+        if c_kernel:
+            packed = pack_int8_cpu(q, scale)
+            return {"q": packed.q, "scale": packed.scale, "kernel": packed}
         return {"q": q, "scale": scale.to(torch.bfloat16 if w.is_cpu else w.dtype)}
     if method == "int4":
         if group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group size {group_size} is not one of {INT4_GROUP_SIZES}")
         q, scale, zero = quantize_int4(w, group_size)
-        if w.is_cpu and use_int4_c_kernel():
+        if c_kernel:
             packed = pack_int4_cpu(q, scale, zero, group_size)
-            return {"q": packed.q, "scale": packed.scale, "zero": packed.zero}
+            return {"q": packed.q, "scale": packed.scale, "zero": packed.zero, "kernel": packed}
         if w.is_cpu:
             packed, scales_and_zeros = to_int4pack(q, scale, zero)
             return {"q": packed, "scale": scales_and_zeros.to(torch.bfloat16)}
@@ -171,8 +176,9 @@ def _weight_storage(w: torch.Tensor, method: str, group_size: int) -> dict[str, 
 class QuantLinear(nn.Module):
     """A linear layer whose weight is stored in one of `QUANTIZATIONS`; used where `layers.Linear` was.
 
-    On a CPU, int8 and int4 run PyTorch's packed kernels with bfloat16 activations (with float32 ones those
-    kernels are many times slower: `benchmarks/quant.py`); on a GPU they run minillm's Triton kernels, which
+    On a CPU, int8 and int4 run minillm's C kernel (activations rounded to int8 per block of 32, integer dot
+    products), or where it has no vector path PyTorch's packed kernels with bfloat16 activations (with float32 ones
+    those are many times slower: `benchmarks/quant.py`); on a GPU they run minillm's Triton kernels, which
     dequantize inside the product. fp8 is dequantized at each call: a storage format here, not a fast path.
     """
 
@@ -180,12 +186,14 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.method, self.group_size = method, group_size
         self.out_features, self.in_features = weight.shape
-        for name, tensor in _weight_storage(weight.detach(), method, group_size).items():
+        storage = _weight_storage(weight.detach(), method, group_size)
+        # the C kernel's weight object (its tensors are also this module's buffers), or None
+        self.kernel: Int4Weight | Int8Weight | None = storage.pop("kernel", None)
+        self._matmul = None if self.kernel is None else bind(self.kernel)  # its arguments converted once
+        for name, tensor in storage.items():
             self.register_buffer(name, tensor)
         self.bias = bias
         self.zero: torch.Tensor | None = getattr(self, "zero", None)
-        # int4 on a CPU in the C kernel's layout (float16 scales mark it)
-        self.c_kernel = method == "int4" and self.q.is_cpu and self.scale.dtype == torch.float16
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, method: str, group_size: int = 64) -> "QuantLinear":
@@ -193,10 +201,12 @@ class QuantLinear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight this layer computes with (for references and tests)."""
+        if self.kernel is not None:  # an identity's rows are exact in int8, so this reads the weight back
+            eye = torch.eye(self.in_features)
+            out = torch.empty(self.in_features, self.out_features)
+            return matmul_unchecked(eye, self.kernel, None, out).T.contiguous()
         if self.method == "int8":
             return dequantize_int8(self.q, self.scale.float())
-        if self.c_kernel:  # an identity's rows are exact in int8, so this reads the weight back unchanged
-            return int4_matmul_cpu(torch.eye(self.in_features), self._int4_weight()).T.contiguous()
         if self.method == "int4" and self.q.is_cpu:
             eye = torch.eye(self.in_features, dtype=torch.bfloat16)
             return int4_linear(eye, self.q, self.scale, self.group_size).float().T.contiguous()
@@ -209,17 +219,17 @@ class QuantLinear(nn.Module):
         """Bytes this layer's weight occupies (quantized values, scales and zero points)."""
         return sum(t.nbytes for t in (self.q, self.scale, self.zero) if t is not None)
 
-    def _int4_weight(self) -> Int4Weight:
-        return Int4Weight(self.q, self.scale, self.zero, self.group_size, self.out_features, self.in_features)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`x W^T + b` (plus `residual`), with x of any leading shape, in x's dtype."""
         shape, x2 = x.shape, x.reshape(-1, x.shape[-1])
-        if self.c_kernel and x.dtype == torch.float32 and self.bias is None:  # the residual add fused in
+        if self.kernel is not None and x.dtype == torch.float32 and self.bias is None:  # the residual add fused in
+            x2, out = x2.contiguous(), torch.empty(x2.shape[0], self.out_features)
             r = None if residual is None else residual.reshape(-1, self.out_features).contiguous()
-            return int4_matmul_cpu(x2, self._int4_weight(), residual=r).view(*shape[:-1], self.out_features)
-        if self.c_kernel:
-            y = int4_matmul_cpu(x2.float(), self._int4_weight()).to(x.dtype)
+            self._matmul(x2.data_ptr(), None if r is None else r.data_ptr(), out.data_ptr(), x2.shape[0])
+            return out if x.dim() == 2 else out.view(*shape[:-1], self.out_features)
+        if self.kernel is not None:
+            y = matmul_unchecked(x2.float().contiguous(), self.kernel, None,
+                                 torch.empty(x2.shape[0], self.out_features)).to(x.dtype)
         elif self.method == "fp8":
             y = F.linear(x2, dequantize_fp8(self.q, self.scale).to(x.dtype))
         elif not x.is_cpu:

@@ -1,9 +1,10 @@
-"""int4 weight-only products on a CPU in C (`int4_matmul.c`): integer dot products at memory speed.
+"""int4 and int8 weight-only products on a CPU in C (`int4_matmul.c`): integer dot products at memory speed.
 
-PyTorch's `_weight_int4pack_mm_for_cpu` takes bfloat16 activations and, at batch 1, reads its weights far below
-the memory's speed. llama.cpp's way is faster: quantize each row of x to int8 per block of 32 and multiply the
-4-bit codes with it in integers (AVX512-VNNI's `vpdpbusd`, AVX2's `vpmaddubsw`), scaling once per block. This
-module lays a weight of `minillm.quant.quantize_int4` out for that kernel, built like `minillm.kernels.cpu`'s.
+PyTorch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` take bfloat16 activations and, at batch 1, read
+their weights far below the memory's speed. llama.cpp's way is faster: quantize each row of x to int8 per block
+of 32 and multiply the weight's codes with it in integers (AVX512-VNNI's `vpdpbusd`, AVX2's `vpmaddubsw`),
+scaling once per block. This module lays weights of `minillm.quant.quantize_int4` and `quantize_int8` out for
+that kernel, built like `minillm.kernels.cpu`'s.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,13 +43,30 @@ class Int4Weight:
         return self.q.nbytes + self.scale.nbytes + self.zero.nbytes
 
 
+@dataclass(frozen=True)
+class Int8Weight:
+    """A `[out_features, in_features]` int8 weight in the kernel's layout (see `int4_matmul.c`): `q` int8
+    `[tiles, in / 4, 16, 4]` (16 rows interleaved) and `scale` float32 `[tiles, 16]`, the output rows padded to a
+    multiple of 16."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the packed weight occupies: 1 byte per weight plus 4 bytes per padded row."""
+        return self.q.nbytes + self.scale.nbytes
+
+
 def _load(path: Path) -> ctypes.CDLL:
     """The compiled library at `path`, its functions' signatures declared."""
     lib = ctypes.CDLL(str(path))
-    lib.int4_matmul_f32.restype = None
-    lib.int4_matmul_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4
-    lib.int4_matmul_isa.restype = ctypes.c_char_p
-    lib.int4_matmul_isa.argtypes = []
+    lib.quant_matmul_f32.restype = None
+    lib.quant_matmul_f32.argtypes = ([ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+                                     + [ctypes.c_void_p] * 3 + [ctypes.c_int64])
+    lib.quant_matmul_isa.restype = ctypes.c_char_p
+    lib.quant_matmul_isa.argtypes = []
     return lib
 
 
@@ -63,16 +82,20 @@ def _library() -> ctypes.CDLL | None:
 
 
 def int4_cpu_available() -> bool:
-    """Whether the C int4 kernel is built (building it now if needed) and loadable on this machine."""
+    """Whether the C int4 and int8 kernel is built (building it now if needed) and loadable on this machine."""
     return _library() is not None
+
+
+def _require() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the C int4/int8 kernel could not be built here (is a C compiler installed?)")
+    return lib
 
 
 def int4_cpu_isa() -> str:
     """The instructions the kernel was compiled for on this machine: "avx512vnni", "avx2" or "scalar"."""
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("the C int4 kernel could not be built here (is a C compiler installed?)")
-    return lib.int4_matmul_isa().decode()
+    return _require().quant_matmul_isa().decode()
 
 
 def _tiles(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -104,10 +127,42 @@ def pack_int4_cpu(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, grou
     return Int4Weight(packed.contiguous(), _tiles(halves[0], rows), _tiles(halves[1], rows), group_size, n, k)
 
 
+def pack_int8_cpu(q: torch.Tensor, scale: torch.Tensor) -> Int8Weight:
+    """The kernel's layout of `quantize_int8`'s output (q int8 `[N, K]`, scale `[N]`), w = q * scale, for K a
+    multiple of 32. Any int8 code works (-128 too); the scales are kept in float32."""
+    if q.dim() != 2 or q.dtype != torch.int8 or q.device.type != "cpu":
+        raise ValueError(f"q must be a 2-D int8 CPU tensor, got {tuple(q.shape)} {q.dtype} on {q.device}")
+    n, k = q.shape
+    if k == 0 or k % BLOCK:
+        raise ValueError(f"the {k} inputs of an int8 weight must be a positive multiple of {BLOCK}")
+    if scale.shape != (n,) or not scale.is_floating_point() or scale.device.type != "cpu":
+        raise ValueError(f"scale must be a floating-point CPU tensor of shape {(n,)}, got {tuple(scale.shape)} "
+                         f"{scale.dtype} on {scale.device}")
+    rows = -(-n // ROWS) * ROWS
+    codes = _tiles(q.reshape(n, k // 4, 4), rows)  # [tiles, K / 4, 16, 4]: inputs 4c .. 4c + 3 of 16 rows
+    return Int8Weight(codes, _tiles(scale.float()[:, None], rows).view(-1, ROWS), n, k)
+
+
 def _check_output(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
     if t.dtype != torch.float32 or not t.is_cpu or t.shape != (rows, cols) or not t.is_contiguous():
         raise ValueError(f"{name} must be a contiguous float32 CPU tensor of shape {(rows, cols)}, "
                          f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+
+
+def _check_call(x: torch.Tensor, in_features: int, out_features: int, residual: torch.Tensor | None,
+                out: torch.Tensor | None) -> torch.Tensor:
+    """Validate the arguments of a product (see `int4_matmul_cpu`); `out`, or a new output tensor."""
+    _require()
+    if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"x must be a float32 CPU tensor [M, {in_features}], got {tuple(x.shape)} {x.dtype} "
+                         f"on {x.device}")
+    m = x.shape[0]
+    if residual is not None:
+        _check_output("residual", residual, m, out_features)
+    if out is None:
+        return torch.empty(m, out_features)
+    _check_output("out", out, m, out_features)
+    return out
 
 
 def int4_matmul_cpu(x: torch.Tensor, w: Int4Weight, residual: torch.Tensor | None = None,
@@ -115,21 +170,38 @@ def int4_matmul_cpu(x: torch.Tensor, w: Int4Weight, residual: torch.Tensor | Non
     """`x @ W^T (+ residual)` for x float32 `[M, K]` on a CPU, into `out` (float32 `[M, N]`, contiguous; may be
     `residual` itself) or a new tensor. x is rounded to int8 per block of 32 inside: the result differs from
     float32 activations by about 0.5 % of the output's scale (see `tests/test_int4_cpu.py`)."""
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("the C int4 kernel could not be built here (is a C compiler installed?)")
-    if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != w.in_features:
-        raise ValueError(f"x must be a float32 CPU tensor [M, {w.in_features}], got {tuple(x.shape)} {x.dtype} "
-                         f"on {x.device}")
-    m, n = x.shape[0], w.out_features
-    if residual is not None:
-        _check_output("residual", residual, m, n)
-    if out is None:
-        out = torch.empty(m, n)
+    out = _check_call(x, w.in_features, w.out_features, residual, out)
+    return matmul_unchecked(x.contiguous(), w, residual, out)
+
+
+def int8_matmul_cpu(x: torch.Tensor, w: Int8Weight, residual: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ W^T (+ residual)` for an int8 weight, as `int4_matmul_cpu`: x float32 `[M, K]` rounded to int8 per
+    block of 32 inside (about 0.5 % of the output's scale), `out` float32 `[M, N]` (may be `residual`) or new."""
+    out = _check_call(x, w.in_features, w.out_features, residual, out)
+    return matmul_unchecked(x.contiguous(), w, residual, out)
+
+
+def bind(w: Int4Weight | Int8Weight) -> Callable[[int, int | None, int, int], None]:
+    """The kernel with `w`'s arguments filled in once: `call(x_ptr, residual_ptr or None, out_ptr, m)` computes
+    what `matmul_unchecked` does, on data pointers, for a layer that calls it every step (about 3 microseconds
+    less per call than `matmul_unchecked`; the same guarantees are the caller's)."""
+    if isinstance(w, Int8Weight):
+        weight = 8, w.q.data_ptr(), w.scale.data_ptr(), None, w.out_features, w.in_features, w.in_features
     else:
-        _check_output("out", out, m, n)
-    x = x.contiguous()
-    lib.int4_matmul_f32(x.data_ptr(), w.q.data_ptr(), w.scale.data_ptr(), w.zero.data_ptr(),
-                        None if residual is None else residual.data_ptr(), out.data_ptr(), m, n, w.in_features,
-                        w.group_size)
+        weight = 4, w.q.data_ptr(), w.scale.data_ptr(), w.zero.data_ptr(), w.out_features, w.in_features, w.group_size
+    return functools.partial(_require().quant_matmul_f32, *weight)
+
+
+def matmul_unchecked(x: torch.Tensor, w: Int4Weight | Int8Weight, residual: torch.Tensor | None,
+                     out: torch.Tensor) -> torch.Tensor:
+    """`out = x @ W^T (+ residual)` with no checks, for a decode loop where a microsecond a call adds up: the
+    caller guarantees the kernel builds here, x float32 contiguous `[M, K]` on the CPU, and `out` (and
+    `residual`, which may be `out`) float32 contiguous `[M, N]`. Wrong arguments read or write out of bounds."""
+    if isinstance(w, Int8Weight):
+        weight = 8, w.q.data_ptr(), w.scale.data_ptr(), None, w.out_features, w.in_features, w.in_features
+    else:
+        weight = 4, w.q.data_ptr(), w.scale.data_ptr(), w.zero.data_ptr(), w.out_features, w.in_features, w.group_size
+    _library().quant_matmul_f32(*weight, x.data_ptr(), None if residual is None else residual.data_ptr(),
+                                out.data_ptr(), x.shape[0])
     return out

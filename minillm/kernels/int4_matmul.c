@@ -1,15 +1,21 @@
-/* int4 weight-only matrix product for CPUs: out = x W^T (+ residual), W stored as 4-bit codes q in 0..15 with
- * a scale s and zero point z per group of G inputs (w = q * s + z, GGUF's Q4_1). Compiled at first use by
- * minillm/kernels/int4_cpu.py, which also lays the weight out:
- *   wq    [tiles, K / 8, 16 rows, 4] bytes: byte (c, j, i) holds q[16t + j, 8c + i] in its low nibble and
- *         q[16t + j, 8c + 4 + i] in its high one, so one 64-byte load gives 4 consecutive codes of 16 rows,
- *         twice: the layout of the integer dot-product instructions, one output row per 32-bit lane
- *   ws,wz [tiles, K / G, 16 rows] float16 scales and zero points
- *   x     [M, K] float32   residual, out [M, N] float32 (residual may be NULL or equal out)
+/* Weight-only matrix products for CPUs: out = x W^T (+ residual), with W in one of two formats:
+ *   int4  4-bit codes q in 0..15 with a scale s and zero point z per group of G inputs (w = q * s + z, GGUF's
+ *         Q4_1), laid out by minillm/kernels/int4_cpu.py as
+ *         wq    [tiles, K / 8, 16 rows, 4] bytes: byte (c, j, i) holds q[16t + j, 8c + i] in its low nibble and
+ *               q[16t + j, 8c + 4 + i] in its high one, so one 64-byte load gives 4 consecutive codes of 16 rows,
+ *               twice: the layout of the integer dot-product instructions, one output row per 32-bit lane
+ *         ws,wz [tiles, K / G, 16 rows] float16 scales and zero points
+ *   int8  signed codes q with one float scale s per row (w = q * s, symmetric per output channel), laid out as
+ *         wq    [tiles, K / 4, 16 rows, 4] int8: byte (c, j, i) holds q[16t + j, 4c + i]
+ *         ws    [tiles, 16 rows] float32
+ * x [M, K] float32; residual, out [M, N] float32 (residual may be NULL or equal out). The library is compiled at
+ * first use by minillm/kernels/int4_cpu.py.
  * Each row of x is quantized to int8 per block of 32 (symmetric, one float scale a block, as llama.cpp's Q8
- * blocks), so the inner products run on integers: AVX512-VNNI's vpdpbusd (unsigned 4-bit codes times signed
- * int8, four products summed into each 32-bit lane), AVX2's vpmaddubsw, or plain C, as the compiler finds.
- * The zero points need only the float sum of x over each group: sum_k w_k x_k = s sum_k q_k x_k + z sum_k x_k.
+ * blocks), so the inner products run on integers: AVX512-VNNI's vpdpbusd (unsigned bytes times signed bytes,
+ * four products summed into each 32-bit lane), AVX2's vpmaddubsw, or plain C, as the compiler finds.
+ * int4: the zero points need only the float sum of x over each group: sum w x = s sum q x + z sum x.
+ * int8: vpdpbusd wants one operand unsigned, so the kernel flips each code's sign bit (q + 128 in 0..255) and
+ * starts the block's integer sum at -128 * (sum of x's codes in the block): exact, and nothing more to read.
  * Threads split the output rows (tiles of 16); each thread runs every row of x over a tile while the tile is
  * in cache, so a call reads each weight byte from memory once. */
 #include <math.h>
@@ -25,23 +31,36 @@
 #define BLOCK 32        /* inputs per int8 block of x */
 #define MR 4            /* rows of x sharing each unpacked block of weights */
 #define MCHUNK 64       /* rows of x per work item: larger batches also split over threads by rows */
-/* Blocks (and groups) of weights to prefetch ahead, ~4 KB of codes: on the machine this was written on it made a
- * decode step's products (each a stream of 0.2 to 1.1 MB) about 15 % faster (benchmarks/int4_cpu.py). */
+/* Blocks (and groups) of int4 weights to prefetch ahead, ~4 KB of codes: on the machine this was written on it
+ * made a decode step's products (each a stream of 0.2 to 1.1 MB) about 15 % faster (benchmarks/int4_cpu.py). */
 #define AHEAD 16
+#define AHEAD8 8 /* the same 4 KB of int8 weights: 8 blocks of 512 bytes */
 #define SERIAL_QUANTIZE 65536 /* x smaller than this (elements) is quantized by the calling thread alone */
 /* sum q x = sum (q - C) x + C sum x, with the last sum taken exactly: x's rounding error is then weighted by
  * q - C (|q - C| <= 7.5) instead of q (up to 15), which cuts the product's error in half for typical weights. */
 #define CENTER 7.5f
 
-/* x quantized: codes [M, K], scales [M, K / 32], exact group sums [M, K / G] and the centring term
+/* A weight in one of the two layouts above; for int8, zero is NULL and g = K. */
+typedef struct {
+    int bits;
+    const void *q, *scale, *zero;
+    int64_t n, k, g;
+} Weight;
+
+/* x quantized: codes [M, K], scales and code sums [M, K / 32], exact group sums [M, K / G] and the centring term
  * CENTER * (exact - rounded group sum) [M, K / G]. */
 typedef struct {
     int8_t *q;
     float *scale, *sum, *corr;
+    int32_t *isum;
     int64_t k, blocks, groups;
 } Acts;
 
-static void quantize_row(const float *x, int64_t k, int64_t g, int8_t *q, float *scale, float *sum, float *corr) {
+/* Row m of the quantized x from its float row x, with exact sums per group of g inputs. */
+static void quantize_row(const Acts *a, const float *x, int64_t m, int64_t g) {
+    int8_t *q = a->q + m * a->k;
+    float *scale = a->scale + m * a->blocks, *sum = a->sum + m * a->groups, *corr = a->corr + m * a->groups;
+    const int64_t k = a->k;
     for (int64_t gi = 0; gi < k / g; gi++) {
         float exact = 0.0f, rounded = 0.0f;
         for (int64_t b = gi * g; b < (gi + 1) * g; b += BLOCK) { /* simple loops, which the compiler vectorizes */
@@ -56,6 +75,7 @@ static void quantize_row(const float *x, int64_t k, int64_t g, int8_t *q, float 
                 exact += x[b + i];
             }
             scale[b / BLOCK] = amax / 127.0f;
+            a->isum[m * a->blocks + b / BLOCK] = isum;
             rounded += scale[b / BLOCK] * (float)isum;
         }
         sum[gi] = exact;
@@ -70,13 +90,13 @@ static inline int32_t load4(const int8_t *p) {
 }
 
 #if defined(__AVX512VNNI__)
-const char *int4_matmul_isa(void) { return "avx512vnni"; }
+const char *quant_matmul_isa(void) { return "avx512vnni"; }
 
 /* out[m0 .. m0 + mr, n0 .. n0 + ncols] for one tile; mr is a constant where inlined, so acc stays in registers. */
-static inline __attribute__((always_inline)) void tile(const uint8_t *wq, const uint16_t *ws, const uint16_t *wz,
-                                                       const Acts *a, int64_t m0, const int mr, int64_t g,
-                                                       const float *residual, float *out, int64_t n, int64_t n0,
-                                                       int64_t ncols) {
+static inline __attribute__((always_inline)) void tile4(const uint8_t *wq, const uint16_t *ws, const uint16_t *wz,
+                                                        const Acts *a, int64_t m0, const int mr, int64_t g,
+                                                        const float *residual, float *out, int64_t n, int64_t n0,
+                                                        int64_t ncols) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[MR];
     for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
@@ -121,15 +141,49 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *wq, const 
     }
 }
 
+/* The int8 tile: codes with their sign bit flipped (q + 128, unsigned) against x's signed codes; each block's
+ * sum starts at -128 * (sum of x's codes) to take the 128s back out. The row scales multiply once at the end. */
+static inline __attribute__((always_inline)) void tile8(const int8_t *wq, const float *ws, const Acts *a, int64_t m0,
+                                                        const int mr, const float *residual, float *out, int64_t n,
+                                                        int64_t n0, int64_t ncols) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[MR];
+    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a->blocks; b++) {
+        const int8_t *p = wq + b * 8 * 64;
+        for (int v = 0; v < 8; v++) _mm_prefetch((const char *)(p + AHEAD8 * 8 * 64 + 64 * v), _MM_HINT_T0);
+        __m512i w[8];
+        for (int v = 0; v < 8; v++) w[v] = _mm512_xor_si512(_mm512_loadu_si512(p + 64 * v), flip);
+        for (int r = 0; r < mr; r++) {
+            const int8_t *xr = a->q + (m0 + r) * a->k + b * BLOCK;
+            __m512i d0 = _mm512_set1_epi32(-128 * a->isum[(m0 + r) * a->blocks + b]), d1 = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j += 2) {
+                d0 = _mm512_dpbusd_epi32(d0, w[j], _mm512_set1_epi32(load4(xr + 4 * j)));
+                d1 = _mm512_dpbusd_epi32(d1, w[j + 1], _mm512_set1_epi32(load4(xr + 4 * j + 4)));
+            }
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
+            acc[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(a->scale[(m0 + r) * a->blocks + b]), acc[r]);
+        }
+    }
+    const __mmask16 mask = (__mmask16)((1u << ncols) - 1);
+    const __m512 sw = _mm512_loadu_ps(ws);
+    for (int r = 0; r < mr; r++) {
+        const int64_t at = (m0 + r) * n + n0;
+        __m512 y = _mm512_mul_ps(acc[r], sw);
+        if (residual) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, residual + at));
+        _mm512_mask_storeu_ps(out + at, mask, y);
+    }
+}
+
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-const char *int4_matmul_isa(void) { return "avx2"; }
+const char *quant_matmul_isa(void) { return "avx2"; }
 
 /* As the AVX512 version, each tile in two halves of 8 rows (one per 32-bit lane of a 256-bit register). The
  * 16-bit pair sums of vpmaddubsw stay below 2 * 15 * 127, so eight of them add up without overflow. */
-static inline __attribute__((always_inline)) void tile(const uint8_t *wq, const uint16_t *ws, const uint16_t *wz,
-                                                       const Acts *a, int64_t m0, const int mr, int64_t g,
-                                                       const float *residual, float *out, int64_t n, int64_t n0,
-                                                       int64_t ncols) {
+static inline __attribute__((always_inline)) void tile4(const uint8_t *wq, const uint16_t *ws, const uint16_t *wz,
+                                                        const Acts *a, int64_t m0, const int mr, int64_t g,
+                                                        const float *residual, float *out, int64_t n, int64_t n0,
+                                                        int64_t ncols) {
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; h++) {
         __m256 acc[MR];
@@ -176,8 +230,49 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *wq, const 
     }
 }
 
+/* The int8 tile in two halves of 8 rows. vpmaddubsw's pairs of 255 * 127 would saturate 16 bits, so it takes
+ * |q| (unsigned) against x's codes carrying q's sign: pairs of at most 2 * 128 * 127, each widened at once. */
+static inline __attribute__((always_inline)) void tile8(const int8_t *wq, const float *ws, const Acts *a, int64_t m0,
+                                                        const int mr, const float *residual, float *out, int64_t n,
+                                                        int64_t n0, int64_t ncols) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[MR];
+        for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < a->blocks; b++) {
+            const int8_t *p = wq + b * 8 * 64 + 32 * h;
+            if (h == 0)
+                for (int v = 0; v < 8; v++) _mm_prefetch((const char *)(p + AHEAD8 * 8 * 64 + 64 * v), _MM_HINT_T0);
+            __m256i w[8], size[8];
+            for (int v = 0; v < 8; v++) {
+                w[v] = _mm256_loadu_si256((const __m256i *)(p + 64 * v));
+                size[v] = _mm256_abs_epi8(w[v]);
+            }
+            for (int r = 0; r < mr; r++) {
+                const int8_t *xr = a->q + (m0 + r) * a->k + b * BLOCK;
+                __m256i s = _mm256_setzero_si256();
+                for (int j = 0; j < 8; j++) {
+                    const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load4(xr + 4 * j)), w[j]);
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(size[j], xs), ones));
+                }
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a->scale[(m0 + r) * a->blocks + b]),
+                                         acc[r]);
+            }
+        }
+        const __m256 sw = _mm256_loadu_ps(ws + 8 * h);
+        for (int r = 0; r < mr; r++) {
+            float y[8];
+            _mm256_storeu_ps(y, _mm256_mul_ps(acc[r], sw));
+            for (int64_t j = 8 * h; j < ncols && j < 8 * h + 8; j++) {
+                const int64_t at = (m0 + r) * n + n0 + j;
+                out[at] = y[j - 8 * h] + (residual ? residual[at] : 0.0f);
+            }
+        }
+    }
+}
+
 #else
-const char *int4_matmul_isa(void) { return "scalar"; }
+const char *quant_matmul_isa(void) { return "scalar"; }
 
 static float half_to_float(uint16_t h) {
     const int exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
@@ -188,8 +283,8 @@ static float half_to_float(uint16_t h) {
 }
 
 /* The same products lane by lane: the rows of a tile are the inner loop, which the compiler may vectorize. */
-static void tile(const uint8_t *wq, const uint16_t *ws, const uint16_t *wz, const Acts *a, int64_t m0, const int mr,
-                 int64_t g, const float *residual, float *out, int64_t n, int64_t n0, int64_t ncols) {
+static void tile4(const uint8_t *wq, const uint16_t *ws, const uint16_t *wz, const Acts *a, int64_t m0, const int mr,
+                  int64_t g, const float *residual, float *out, int64_t n, int64_t n0, int64_t ncols) {
     for (int64_t m = m0; m < m0 + mr; m++) {
         float acc[ROWS] = {0.0f};
         for (int64_t gi = 0; gi < a->groups; gi++) {
@@ -214,44 +309,77 @@ static void tile(const uint8_t *wq, const uint16_t *ws, const uint16_t *wz, cons
             out[m * n + n0 + j] = acc[j] + (residual ? residual[m * n + n0 + j] : 0.0f);
     }
 }
+static void tile8(const int8_t *wq, const float *ws, const Acts *a, int64_t m0, const int mr, const float *residual,
+                  float *out, int64_t n, int64_t n0, int64_t ncols) {
+    for (int64_t m = m0; m < m0 + mr; m++) {
+        float acc[ROWS] = {0.0f};
+        for (int64_t b = 0; b < a->blocks; b++) {
+            const int8_t *xr = a->q + m * a->k + b * BLOCK;
+            int32_t dot[ROWS] = {0};
+            for (int c = 0; c < 8; c++) { /* inputs 4c .. 4c + 3 */
+                const int8_t *p = wq + b * 8 * 64 + c * 64;
+                for (int i = 0; i < 4; i++)
+                    for (int j = 0; j < ROWS; j++) dot[j] += p[4 * j + i] * xr[4 * c + i];
+            }
+            for (int j = 0; j < ROWS; j++) acc[j] += (float)dot[j] * a->scale[m * a->blocks + b];
+        }
+        for (int64_t j = 0; j < ncols; j++)
+            out[m * n + n0 + j] = acc[j] * ws[j] + (residual ? residual[m * n + n0 + j] : 0.0f);
+    }
+}
 #endif
 
-/* out = x W^T (+ residual) for x [m, k] float32 and W [n, k] in the layout above; k a multiple of g, g of 32. */
-void int4_matmul_f32(const float *x, const uint8_t *wq, const uint16_t *ws, const uint16_t *wz,
-                     const float *residual, float *out, int64_t m, int64_t n, int64_t k, int64_t g) {
-    Acts a = {malloc(m * k), malloc(sizeof(float) * m * (k / BLOCK)), malloc(sizeof(float) * m * (k / g)),
-              malloc(sizeof(float) * m * (k / g)), k, k / BLOCK, k / g};
+/* Rows m0 .. m0 + mr of x over output tile t: constant row counts, so each copy keeps its sums in registers. */
+static void rows(const Weight *w, const Acts *a, int64_t t, int64_t m0, int64_t mr, const float *residual,
+                 float *out) {
+    const int64_t n = w->n, n0 = t * ROWS, ncols = n - n0 < ROWS ? n - n0 : ROWS, g = w->g;
+    if (w->bits == 8) {
+        const int8_t *tq = (const int8_t *)w->q + t * w->k * ROWS;
+        const float *ts = (const float *)w->scale + t * ROWS;
+        switch (mr) {
+        case 4: tile8(tq, ts, a, m0, 4, residual, out, n, n0, ncols); break;
+        case 3: tile8(tq, ts, a, m0, 3, residual, out, n, n0, ncols); break;
+        case 2: tile8(tq, ts, a, m0, 2, residual, out, n, n0, ncols); break;
+        default: tile8(tq, ts, a, m0, 1, residual, out, n, n0, ncols);
+        }
+        return;
+    }
+    const uint8_t *tq = (const uint8_t *)w->q + t * (w->k / 8) * 64;
+    const uint16_t *ts = (const uint16_t *)w->scale + t * a->groups * ROWS;
+    const uint16_t *tz = (const uint16_t *)w->zero + t * a->groups * ROWS;
+    switch (mr) {
+    case 4: tile4(tq, ts, tz, a, m0, 4, g, residual, out, n, n0, ncols); break;
+    case 3: tile4(tq, ts, tz, a, m0, 3, g, residual, out, n, n0, ncols); break;
+    case 2: tile4(tq, ts, tz, a, m0, 2, g, residual, out, n, n0, ncols); break;
+    default: tile4(tq, ts, tz, a, m0, 1, g, residual, out, n, n0, ncols);
+    }
+}
+
+/* out = x W^T (+ residual) for x [m, k] float32 and W [n, k] in one of the layouts above (bits 4 or 8; int4: k a
+ * multiple of g, g of 32, int8: k a multiple of 32, wz NULL and g ignored). */
+void quant_matmul_f32(int64_t bits, const void *wq, const void *ws, const void *wz, int64_t n, int64_t k, int64_t g,
+                      const float *x, const float *residual, float *out, int64_t m) {
+    const Weight w = {(int)bits, wq, ws, wz, n, k, bits == 8 ? k : g};
+    const int64_t blocks = k / BLOCK, groups = k / w.g;
+    float *work = malloc(4 * m * (2 * blocks + 2 * groups) + m * k); /* one allocation: a call is a few us */
+    Acts a = {(int8_t *)(work + m * (2 * blocks + 2 * groups)), work, work + m * blocks, work + m * (blocks + groups),
+              (int32_t *)(work + m * (blocks + 2 * groups)), k, blocks, groups};
     const int64_t tiles = (n + ROWS - 1) / ROWS, chunks = (m + MCHUNK - 1) / MCHUNK;
     /* A small x is quantized before the threads start: a barrier between the two phases costs more than that. */
     const int64_t serial = m * k <= SERIAL_QUANTIZE;
-    for (int64_t i = 0; serial && i < m; i++)
-        quantize_row(x + i * k, k, g, a.q + i * k, a.scale + i * a.blocks, a.sum + i * a.groups, a.corr + i * a.groups);
+    for (int64_t i = 0; serial && i < m; i++) quantize_row(&a, x + i * k, i, w.g);
 #pragma omp parallel
     { /* split by hand: a team of one then costs no more than a plain call (an omp for costs a microsecond) */
         const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num(), items = tiles * chunks;
         if (!serial) {
-            for (int64_t i = id; i < m; i += threads)
-                quantize_row(x + i * k, k, g, a.q + i * k, a.scale + i * a.blocks, a.sum + i * a.groups,
-                             a.corr + i * a.groups);
+            for (int64_t i = id; i < m; i += threads) quantize_row(&a, x + i * k, i, w.g);
 #pragma omp barrier
         }
         for (int64_t item = items * id / threads; item < items * (id + 1) / threads; item++) {
-            const int64_t t = item / chunks, c = item % chunks, n0 = t * ROWS;
-            const int64_t ncols = n - n0 < ROWS ? n - n0 : ROWS, end = (c + 1) * MCHUNK < m ? (c + 1) * MCHUNK : m;
-            const uint8_t *tq = wq + t * (k / 8) * 64;
-            const uint16_t *ts = ws + t * a.groups * ROWS, *tz = wz + t * a.groups * ROWS;
-            for (int64_t m0 = c * MCHUNK; m0 < end; m0 += MR) {
-                switch (end - m0 < MR ? end - m0 : MR) { /* constant row counts: each copy keeps acc in registers */
-                case 4: tile(tq, ts, tz, &a, m0, 4, g, residual, out, n, n0, ncols); break;
-                case 3: tile(tq, ts, tz, &a, m0, 3, g, residual, out, n, n0, ncols); break;
-                case 2: tile(tq, ts, tz, &a, m0, 2, g, residual, out, n, n0, ncols); break;
-                default: tile(tq, ts, tz, &a, m0, 1, g, residual, out, n, n0, ncols);
-                }
-            }
+            const int64_t t = item / chunks, c = item % chunks, end = (c + 1) * MCHUNK < m ? (c + 1) * MCHUNK : m;
+            for (int64_t m0 = c * MCHUNK; m0 < end; m0 += MR)
+                rows(&w, &a, t, m0, end - m0 < MR ? end - m0 : MR, residual, out);
         }
     }
-    free(a.q);
-    free(a.scale);
-    free(a.sum);
-    free(a.corr);
+    free(work);
 }

@@ -41,7 +41,8 @@ FORMATS = {"float32": {}, "int8": dict(quantization="int8"),
 QUALITY = {**FORMATS, "int4 G=64": dict(quantization="int4", quantization_group_size=64),
            "fp8": dict(quantization="fp8"), "KV cache int8": dict(kv_cache_dtype="int8"),
            "KV cache fp8": dict(kv_cache_dtype="fp8")}
-PARITY_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village by the sea,",
+PARITY_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
+                  "Once upon a time, in a small village by the sea,",
                   "Les grands modèles de langage génèrent du texte", "大模型推理的两个阶段是"]
 PARITY_CHATS = ["What is a KV cache? Answer in one sentence.", "List three prime numbers."]
 

@@ -1,0 +1,130 @@
+"""Every collective of minillm's parallel code goes through `Comm`, which counts the bytes each rank sends and
+the time it waits, so that communication is measured rather than guessed; and `run_group`, which starts a group
+of worker processes that talk over loopback only.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+@dataclass
+class OpStats:
+    """One kind of collective on one rank: how often it ran, the bytes this rank sent, the seconds it took."""
+
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+class Comm:
+    """The collectives of one process group, timed and counted per operation (`stats`)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.stats: dict[str, OpStats] = defaultdict(OpStats)
+
+    def _record(self, op: str, nbytes: int, start: float) -> None:
+        s = self.stats[op]
+        s.calls, s.bytes, s.seconds = s.calls + 1, s.bytes + nbytes, s.seconds + time.perf_counter() - start
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over the ranks, in place (a ring all-reduce sends about 2 (P - 1) / P of its bytes)."""
+        start = time.perf_counter()
+        dist.all_reduce(t, group=self.group)
+        self._record("all_reduce", 2 * (self.world_size - 1) * t.nbytes // self.world_size, start)
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `t` (all the same shape), in rank order."""
+        start = time.perf_counter()
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(out, t, group=self.group)
+        self._record("all_gather", (self.world_size - 1) * t.nbytes, start)
+        return out
+
+    def send_recv(self, send: torch.Tensor, recv: torch.Tensor, dst: int, src: int) -> torch.Tensor:
+        """Send `send` to rank `dst` while receiving `recv` (same shape on the sender) from rank `src`: one step of
+        a ring, where every rank passes what it holds to its neighbour."""
+        start = time.perf_counter()
+        ops = [dist.P2POp(dist.isend, send, dst, self.group), dist.P2POp(dist.irecv, recv, src, self.group)]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        self._record("send_recv", send.nbytes, start)
+        return recv
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def loopback_store(rank: int, world_size: int, port: int) -> dist.TCPStore:
+    """The group's rendezvous store on 127.0.0.1:`port`. Rank 0 serves it from a socket it binds to loopback
+    itself: a TCPStore left to bind its own listens on every interface of the machine."""
+    listener = None
+    if rank == 0:
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
+                          master_listen_fd=None if listener is None else listener.detach())
+    return store
+
+
+def _worker(rank: int, world_size: int, port: int, fn, args: tuple, results) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's own connections: loopback only
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, store=loopback_store(rank, world_size, port))
+    try:
+        results.put((rank, fn(Comm(), *args)))
+    except BaseException as e:  # reported to the parent, which raises it
+        results.put((rank, RuntimeError(f"rank {rank}: {type(e).__name__}: {e}")))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_group(fn, world_size: int, *args, timeout: float = 120.0) -> list:
+    """Run `fn(comm, *args)` on `world_size` new processes joined in a gloo group on 127.0.0.1; their return values
+    in rank order. Every process is stopped before this returns, whether the ranks succeed, raise or hang."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results, port = ctx.SimpleQueue(), free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        deadline, out = time.monotonic() + timeout, {}
+        while len(out) < world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {world_size} ranks did not finish within {timeout:.0f} s")
+            if not results.empty():
+                rank, value = results.get()
+                out[rank] = value
+            elif any(p.exitcode not in (None, 0) for p in procs):
+                raise RuntimeError("a rank exited without a result")
+            else:
+                time.sleep(0.01)
+        errors = [v for v in out.values() if isinstance(v, RuntimeError)]
+        if errors:
+            raise errors[0]
+        return [out[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()

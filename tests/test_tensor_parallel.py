@@ -60,3 +60,10 @@ def _bad_split(comm):
 def test_impossible_split_is_named():
     with pytest.raises(RuntimeError, match="cannot be split evenly over 2 ranks"):
         run_group(_bad_split, 2)
+
+
+def test_all_reduce_timing_reports_each_size():
+    from minillm.parallel.comm import time_all_reduce
+
+    rows = run_group(time_all_reduce, 2, [4, 4096], 3)[0]
+    assert [r["bytes"] for r in rows] == [4, 4096] and all(r["seconds"] > 0 for r in rows)

@@ -128,3 +128,23 @@ def run_group(fn, world_size: int, *args, timeout: float = 120.0) -> list:
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def time_all_reduce(comm: Comm, sizes_bytes: list[int], repeats: int = 20) -> list[dict[str, float]]:
+    """Median seconds of one all-reduce of float32 tensors of each size on this group (every rank must call it
+    with the same arguments), with the bus bandwidth that implies: 2 (P - 1) / P of the bytes cross each link."""
+    rows = []
+    for nbytes in sizes_bytes:
+        t = torch.ones(max(1, nbytes // 4))
+        for _ in range(3):
+            dist.all_reduce(t, group=comm.group)
+        times = []
+        for _ in range(repeats):
+            dist.barrier(group=comm.group)
+            start = time.perf_counter()
+            dist.all_reduce(t, group=comm.group)
+            times.append(time.perf_counter() - start)
+        seconds = sorted(times)[len(times) // 2]
+        rows.append({"bytes": t.nbytes, "seconds": seconds,
+                     "bus_gb_s": 2 * (comm.world_size - 1) / comm.world_size * t.nbytes / seconds / 1e9})
+    return rows

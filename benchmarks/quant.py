@@ -34,7 +34,7 @@ from minillm import LLM, SamplingParams, quant, threads
 from minillm.bench import corpus_ids, make_workload, run_minillm
 from minillm.metrics import tpot
 from minillm.perplexity import greedy_agreement, perplexity
-from minillm.roofline import decode_linears
+from minillm.roofline import decode_linears, time_median
 
 FORMATS = {"float32": {}, "int8": dict(quantization="int8"),
            "int4 G=32": dict(quantization="int4", quantization_group_size=32)}
@@ -100,17 +100,10 @@ def engine_figures(llm: LLM, prompt: list[int], long_prompt: list[int], work, ro
     llm.generate([prompt], params, use_tqdm=False)  # warm-up
     decode = statistics.median(1 / tpot(llm.generate([prompt], params, use_tqdm=False)[0].metrics)
                                for _ in range(rounds))
-    llm.engine.next_token_logits(long_prompt)
-    prefill = statistics.median(len(long_prompt) / _seconds(lambda: llm.engine.next_token_logits(long_prompt))
-                                for _ in range(rounds))
+    prefill = len(long_prompt) / time_median(lambda: llm.engine.next_token_logits(long_prompt), llm.engine.device,
+                                             repeats=rounds, warmup=1)
     chat = run_minillm(llm, work)
     return {"decode_tok_s": decode, "prefill_tok_s": prefill, "chat_tok_s": chat["output_tokens"] / chat["seconds"]}
-
-
-def _seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def engine(rounds: int, requests: int) -> None:
@@ -156,9 +149,7 @@ def quality(ppl_tokens: int | None) -> None:
     rows = {}
     for name, kwargs in QUALITY.items():
         llm = LLM(enable_prefix_caching=False, **kwargs)
-        start = time.perf_counter()
-        ppl = perplexity(llm, max_tokens=ppl_tokens)
-        rows[name] = (ppl, greedy_agreement(llm, prompts, reference), time.perf_counter() - start)
+        rows[name] = (perplexity(llm, max_tokens=ppl_tokens), greedy_agreement(llm, prompts, reference))
         del llm
         gc.collect()
     base_ppl = rows["float32"][0].perplexity
@@ -166,7 +157,7 @@ def quality(ppl_tokens: int | None) -> None:
           f"1024, stride 512); greedy agreement with float32 on {len(prompts)} prompts x 32 tokens")
     print(f"  {'':16} {'perplexity':>10} {'vs float32':>10} {'identical':>9} {'mean tokens before split':>24} "
           f"{'top-1 agreement':>15}")
-    for name, (ppl, agree, seconds) in rows.items():
+    for name, (ppl, agree) in rows.items():
         before = statistics.mean(32 if n < 0 else n for n in agree.prefix_tokens)
         print(f"  {name:16} {ppl.perplexity:10.3f} {100 * (ppl.perplexity / base_ppl - 1):+9.2f}% "
               f"{agree.identical:>5}/{len(prompts)} {before:24.1f} {agree.top1:15.1%}")

@@ -7,8 +7,9 @@ Each format stores a weight `[out, in]` as small numbers plus a few float scales
     int4   asymmetric per group (GGUF Q4_1) w ~ q * scale + zero,   q in [0, 15], 2 per byte  4 bits + 64/G
     fp8    e4m3 per output channel          w ~ float(q) * scale,   |q| <= 448                8 bits + 32/in
 
-The products run through PyTorch's packed CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`),
-whose int4 layout stores `(q - 8) * scale + zero'`, i.e. zero' = zero + 8 * scale.
+On a CPU the products run through minillm's C kernel (`kernels/int4_matmul.c`), or else PyTorch's packed kernels
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, whose int4 layout stores `(q - 8) * scale + zero'`, i.e.
+zero' = zero + 8 * scale); on a GPU through minillm's Triton kernels (`kernels/quant_matmul.py`).
 """
 
 from __future__ import annotations
@@ -287,8 +288,8 @@ class QuantEmbedding(nn.Module):
 
 def embedding_method(method: str) -> str:
     """The format of the token embedding and the head under `method`: int4 keeps them in int8, as GGUF files keep
-    them in 8 or 6 bits. They are the model's most sensitive matrices (chapter 6 measures one layer at a time:
-    a 4-bit head alone costs this model 6 % perplexity) and a small share of a step's bytes."""
+    them in 8 or 6 bits. They are among the model's most sensitive matrices (chapter 6 measures what a 4-bit
+    embedding and head cost, and one layer at a time) and a small share of a step's bytes."""
     return "int8" if method == "int4" else method
 
 
@@ -340,7 +341,7 @@ def fake_quantize_model(model: nn.Module, method: str, group_size: int = 64, onl
     """Round the float weights of `model`'s linear layers and token embedding (which a tied head shares) to a
     format's grid in place (`fake_quantize`); the model keeps its float kernels. For measuring what a format, a
     group size no kernel takes, or one layer at a time costs in accuracy. `only`: the module names to round."""
-    from .layers import Linear
+    from .layers import Linear, pack_weight
 
     targets = {name: m for name, m in model.named_modules()
                if isinstance(m, (Linear, nn.Embedding)) and (only is None or name in only)}
@@ -352,5 +353,5 @@ def fake_quantize_model(model: nn.Module, method: str, group_size: int = 64, onl
             if getattr(module, "packed", None) is not None:
                 module.pack()
         if getattr(model, "packed_head", None) is not None and "embed_tokens" in targets:
-            model.pack_weights()
+            model.packed_head = pack_weight(model.embed_tokens.weight)
     return list(targets)

@@ -98,17 +98,23 @@ def test_matches_dequantized_product(m, n, k, group):
     assert (got.double() - emulated).abs().max().item() < TOL_EMULATED * emulated.abs().max().item()
 
 
-def test_residual_and_out():
-    (q, scale, zero), w = case(40, 576, 32)
-    x, residual = activations(5, 576), activations(5, 40, seed=2)
-    plain = int4_matmul_cpu(x, w)
-    torch.testing.assert_close(int4_matmul_cpu(x, w, residual=residual), plain + residual, rtol=0, atol=1e-6)
-    out = torch.full((5, 40), float("nan"))
-    assert int4_matmul_cpu(x, w, out=out) is out
+def check_residual_and_out(matmul, x, w, residual, atol):
+    """`matmul(x, w)` with a residual added, into a given `out`, and in place into the residual itself (the
+    engine's residual stream, updated where it lies) all equal the plain product; returns the plain product."""
+    plain = matmul(x, w)
+    torch.testing.assert_close(matmul(x, w, residual=residual), plain + residual, rtol=0, atol=atol)
+    out = torch.full(plain.shape, float("nan"))
+    assert matmul(x, w, out=out) is out
     torch.testing.assert_close(out, plain, rtol=0, atol=0)
-    in_place = residual.clone()  # the engine's residual stream, updated where it lies
-    int4_matmul_cpu(x, w, residual=in_place, out=in_place)
-    torch.testing.assert_close(in_place, plain + residual, rtol=0, atol=1e-6)
+    in_place = residual.clone()
+    matmul(x, w, residual=in_place, out=in_place)
+    torch.testing.assert_close(in_place, plain + residual, rtol=0, atol=atol)
+    return plain
+
+
+def test_residual_and_out():
+    _, w = case(40, 576, 32)
+    check_residual_and_out(int4_matmul_cpu, activations(5, 576), w, activations(5, 40, seed=2), atol=1e-6)
 
 
 def test_threads_split_rows_without_changing_results():
@@ -226,15 +232,8 @@ def test_int8_full_code_range():
 
 def test_int8_residual_out_and_threads():
     _, w = case8(1000, 576)
-    x, residual = activations(100, 576), activations(100, 1000, seed=2)
-    plain = int8_matmul_cpu(x, w)
-    torch.testing.assert_close(int8_matmul_cpu(x, w, residual=residual), plain + residual, rtol=0, atol=1e-5)
-    out = torch.full((100, 1000), float("nan"))
-    assert int8_matmul_cpu(x, w, out=out) is out
-    torch.testing.assert_close(out, plain, rtol=0, atol=0)
-    in_place = residual.clone()
-    int8_matmul_cpu(x, w, residual=in_place, out=in_place)
-    torch.testing.assert_close(in_place, plain + residual, rtol=0, atol=1e-5)
+    x = activations(100, 576)
+    plain = check_residual_and_out(int8_matmul_cpu, x, w, activations(100, 1000, seed=2), atol=1e-5)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1 if threads > 1 else 2)

@@ -5,6 +5,7 @@ of worker processes that talk over loopback only.
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import time
@@ -88,11 +89,16 @@ def _worker(rank: int, world_size: int, port: int, fn, args: tuple, results) -> 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, store=loopback_store(rank, world_size, port))
     try:
-        results.put((rank, fn(Comm(), *args)))
+        value = fn(Comm(), *args)
     except BaseException as e:  # reported to the parent, which raises it
-        results.put((rank, RuntimeError(f"rank {rank}: {type(e).__name__}: {e}")))
+        value = RuntimeError(f"rank {rank}: {type(e).__name__}: {e}")
     finally:
         dist.destroy_process_group()
+    # as plain bytes: a tensor put on the queue as it is travels as a handle to this process's shared memory,
+    # which the parent could no longer open once this process has exited
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    results.put((rank, buffer.getvalue()))
 
 
 def run_group(fn, world_size: int, *args, timeout: float = 120.0) -> list:
@@ -112,8 +118,8 @@ def run_group(fn, world_size: int, *args, timeout: float = 120.0) -> list:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the {world_size} ranks did not finish within {timeout:.0f} s")
             if not results.empty():
-                rank, value = results.get()
-                out[rank] = value
+                rank, data = results.get()
+                out[rank] = torch.load(io.BytesIO(data), weights_only=False)
             elif any(p.exitcode not in (None, 0) for p in procs):
                 raise RuntimeError("a rank exited without a result")
             else:

@@ -19,6 +19,9 @@ from .model import load_model
 from .model_runner import ModelRunner, SeqResult
 from .output_processor import OutputProcessor, RequestState
 from .outputs import RequestOutput
+from .parallel.config import ParallelConfig
+from .parallel.executor import MultiprocExecutor
+from .parallel.pipeline import MicroBatch
 from .quant import QUANTIZATIONS, quantize_model
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -46,7 +49,8 @@ class LLMEngine:
     def __init__(self, model: str | Path | None = None, device=None, dtype=None, load_format: str = "auto",
                  block_size: int = 16, num_kv_blocks: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True, *,
-                 quantization: str | None = None, quantization_group_size: int = 64, kv_cache_dtype: str = "auto"):
+                 quantization: str | None = None, quantization_group_size: int = 64, kv_cache_dtype: str = "auto",
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, enable_expert_parallel: bool = False):
         from transformers import AutoTokenizer
 
         if block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -60,21 +64,44 @@ class LLMEngine:
         self.device, self.dtype = default_device_dtype(device, dtype)
         if self.device.type == "cpu":
             configure_threads()
+        self.parallel = ParallelConfig(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel)
+        self.parallel.check(self.config)
+        if self.parallel.world_size > 1 and quantization is not None:
+            raise ValueError("quantization is not supported together with tensor or pipeline parallelism here")
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
-        self.model = load_model(self.path, self.config, self.dtype, self.device, load_format)
+        self.executor = None
+        if self.parallel.world_size > 1:
+            self.executor = MultiprocExecutor(self.path, self.config, self.parallel, self.dtype, self.device,
+                                              load_format)
+            self.model = self.executor.model
+        else:
+            self.model = load_model(self.path, self.config, self.dtype, self.device, load_format)
+        try:
+            self._build_runtime(quantization, quantization_group_size, kv_cache_dtype, num_kv_blocks, block_size,
+                              enable_prefix_caching, max_num_seqs, max_num_batched_tokens)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build_runtime(self, quantization, quantization_group_size, kv_cache_dtype, num_kv_blocks, block_size,
+                     enable_prefix_caching, max_num_seqs, max_num_batched_tokens) -> None:
+        """Everything after the weights: quantization, the KV cache (on every rank), the scheduler and the
+        output processing, then a warm-up."""
         if quantization is not None:
             if self.device.type not in ("cpu", "cuda") or (self.device.type == "cuda" and quantization != "fp8"
                                                             and not triton_available()):
                 raise ValueError(f"quantization {quantization!r} needs a CPU, or a GPU with Triton")
             quantize_model(self.model, quantization, quantization_group_size)
         self.quantization, self.kv_cache_dtype = quantization, kv_cache_dtype
+        local = self.parallel.local_config(self.config, 0)  # rank 0's stage has the most layers
         if num_kv_blocks is None:
-            num_kv_blocks = blocks_for_budget(self.config, block_size, self.dtype, self._kv_budget(), kv_cache_dtype)
-        self.kv_cache = KVCache.allocate(self.config, num_kv_blocks, block_size, self.dtype, self.device,
-                                         kv_cache_dtype)
+            num_kv_blocks = blocks_for_budget(local, block_size, self.dtype, self._kv_budget(), kv_cache_dtype)
+        self.kv_cache = KVCache.allocate(local, num_kv_blocks, block_size, self.dtype, self.device, kv_cache_dtype)
+        if self.executor is not None:
+            self.executor.start(self.kv_cache, num_kv_blocks, block_size, kv_cache_dtype)
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.executor)
         self.max_model_len = min(self.config.max_position_embeddings, num_kv_blocks * block_size)
         self.eos_token_ids = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -249,9 +276,14 @@ class LLMEngine:
                 raise ValueError("the KV cache is busy: no free blocks for this prompt right now")
             try:
                 ids, positions, meta = self.runner.prepare_prefill([seq])
-                return self.model.prefill(ids, positions, self.kv_cache, meta)[0].float()
+                return self.runner.execute([MicroBatch(ids, positions, meta, None)])[0].float()
             finally:
                 self.block_manager.free(seq)
+
+    def shutdown(self) -> None:
+        """Stop the other ranks' processes of a parallel layout (nothing to do in one process); idempotent."""
+        if getattr(self, "executor", None) is not None:
+            self.executor.shutdown()
 
     def reset_prefix_cache(self) -> None:
         """Forget the cached prefixes of finished requests (vLLM's name), e.g. between two timed runs."""
@@ -324,4 +356,6 @@ class LLMEngine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "quantization": self.quantization,
             "kv_cache_dtype": self.kv_cache_dtype,
+            "tensor_parallel_size": self.parallel.tensor_parallel_size,
+            "pipeline_parallel_size": self.parallel.pipeline_parallel_size,
         }

@@ -1,7 +1,7 @@
 """The small building blocks of a Llama-family block: RMSNorm, rotary embeddings, SwiGLU, linear layers.
 
-Every linear layer of the model is made by `make_linear`, so later chapters (quantization, tensor
-parallelism) change one function rather than the model.
+Every linear layer of the model is a `Linear` (or one of its tensor-parallel kinds in `parallel/`), which
+quantization (chapter 6) replaces in place.
 """
 
 from __future__ import annotations
@@ -183,12 +183,11 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`x W^T + b`, plus `residual` when given (the block's skip connection, fused into the product)."""
+        return self.product(x, self.bias, residual)
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:
+        """`x W^T`, plus `bias` and `residual` when given, on the packed weight where there is one."""
         if x.dim() == 2 and runs_packed(self.packed):
-            return packed_linear(x, self.packed, self.bias, residual)
-        y = F.linear(x, self.weight, self.bias)
+            return packed_linear(x, self.packed, bias, residual)
+        y = F.linear(x, self.weight, bias)
         return y if residual is None else y + residual
-
-
-def make_linear(in_features: int, out_features: int, bias: bool = False) -> nn.Module:
-    """The one place the model gets its linear layers from."""
-    return Linear(in_features, out_features, bias=bias)

@@ -19,12 +19,27 @@ class LLM:
     def __init__(self, model=None, device=None, dtype=None, load_format: str = "auto", block_size: int = 16,
                  num_kv_blocks: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, *, quantization: str | None = None,
-                 quantization_group_size: int = 64, kv_cache_dtype: str = "auto"):
+                 quantization_group_size: int = 64, kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1, enable_expert_parallel: bool = False):
         self.engine = LLMEngine(model, device, dtype, load_format, block_size, num_kv_blocks, max_num_seqs,
                                 max_num_batched_tokens, enable_prefix_caching, quantization=quantization,
-                                quantization_group_size=quantization_group_size, kv_cache_dtype=kv_cache_dtype)
+                                quantization_group_size=quantization_group_size, kv_cache_dtype=kv_cache_dtype,
+                                tensor_parallel_size=tensor_parallel_size,
+                                pipeline_parallel_size=pipeline_parallel_size,
+                                enable_expert_parallel=enable_expert_parallel)
         self._pending: dict[str, list[RequestOutput]] = {}  # outputs stepped out for another reader
         self._abandoned: set[str] = set()  # aborted by a reader that left; their last output is dropped
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a parallel layout now (they also stop when this object is collected,
+        and when this process exits or dies)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

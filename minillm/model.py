@@ -18,20 +18,26 @@ from torch import nn
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
 from .host_memory import huge_page_empty, use_huge_pages
-from .layers import (Linear, RMSNorm, RotaryEmbedding, make_linear, pack_weight, packed_linear, rotate, runs_packed,
-                     silu_and_mul, use_packed_weights)
+from .layers import (Linear, RMSNorm, RotaryEmbedding, pack_weight, packed_linear, rotate, runs_packed, silu_and_mul,
+                     use_packed_weights)
+from .parallel.comm import Comm
+from .parallel.state import ParallelContext
+from .parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_logits
 
 
 class Attention(nn.Module):
     """Grouped-query self-attention: fused q/k/v projection, RoPE, cache write, attention, output projection."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: Comm | None = None):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        ranks = 1 if tp is None else tp.world_size  # each rank holds whole heads: its share of q and of k/v
+        self.num_heads, self.num_kv_heads = config.num_heads // ranks, config.num_kv_heads // ranks
+        self.head_dim = config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = make_linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = make_linear(self.q_size, config.hidden_size)
+        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q, kv, kv], tp, config.qkv_bias, config.head_dim)
+        self.o_proj = RowParallelLinear(q, config.hidden_size, tp)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
@@ -50,10 +56,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: Comm | None = None):
         super().__init__()
-        self.gate_up_proj = make_linear(config.hidden_size, 2 * config.intermediate_size)
-        self.down_proj = make_linear(config.intermediate_size, config.hidden_size)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, tp)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)), residual)
@@ -63,12 +69,12 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)). Each skip connection is added by the
     output projection before it (in the same oneDNN call on a CPU), not as an operation of its own."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: Comm | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -77,17 +83,28 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The whole model. Tokens are packed: `input_ids` and `positions` are 1-D over all new tokens."""
+    """The whole model. Tokens are packed: `input_ids` and `positions` are 1-D over all new tokens.
 
-    def __init__(self, config: ModelConfig):
+    Under a parallel layout (`ctx`) a rank holds its pipeline stage's layers (`layer_ids`), sharded over its
+    tensor-parallel group; the embedding lives on the first stage, the final norm and head on the last (a tied
+    head keeps the embedding there too). Without one it is the whole model.
+    """
+
+    def __init__(self, config: ModelConfig, ctx: ParallelContext | None = None):
         super().__init__()
-        self.config = config
+        self.config, self.ctx = config, ctx
+        tp = None if ctx is None else ctx.tp
+        first, last = (True, True) if ctx is None else (ctx.is_first_stage, ctx.is_last_stage)
+        self.layer_ids = range(config.num_layers) if ctx is None else ctx.layers(config.num_layers)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings,
                                       config.rope_scaling)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else make_linear(config.hidden_size, config.vocab_size)
+        tied = config.tie_word_embeddings
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+                             if first or (last and tied) else None)
+        self.layers = nn.ModuleList(DecoderLayer(config, tp) for _ in self.layer_ids)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
+        vocab = -(-config.vocab_size // (1 if tp is None else tp.world_size)) * (1 if tp is None else tp.world_size)
+        self.lm_head = ColumnParallelLinear(config.hidden_size, [vocab], tp) if last and not tied else None
         self.packed_head: torch.Tensor | None = None  # the tied head's oneDNN-packed copy (see pack_weights)
 
     def pack_weights(self) -> None:
@@ -98,25 +115,42 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        if self.lm_head is None:
+        if self.lm_head is None and self.norm is not None:
             self.packed_head = pack_weight(self.embed_tokens.weight)
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """This rank's decoder layers over hidden states `x` `[tokens, hidden]` (its cache's layers in order)."""
+        rope = self.rotary.cos_sin(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(rope, x, kv_cache.layer(i), meta)
+        return x
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache,
                       meta: AttentionMetadata) -> torch.Tensor:
         """Final-norm hidden state of every new token, `[tokens, hidden]`."""
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary.cos_sin(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer.forward(rope, x, kv_cache.layer(i), meta)
+        x = self.run_layers(self.embed_tokens(input_ids), positions, kv_cache, meta)
         return self.norm.forward(x)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocabulary scores from hidden states (the tied head reuses the embedding matrix)."""
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Vocabulary scores from hidden states (the tied head reuses the embedding matrix). Under tensor
+        parallelism each rank scores its slice of the vocabulary and rank 0 gets them all (None elsewhere)."""
         if self.lm_head is not None:
-            return self.lm_head.forward(hidden)
-        if runs_packed(self.packed_head):
-            return packed_linear(hidden, self.packed_head)
-        return F.linear(hidden, self.embed_tokens.weight)
+            local = self.lm_head.forward(hidden)
+        elif runs_packed(self.packed_head):
+            local = packed_linear(hidden, self.packed_head)
+        else:
+            local = F.linear(hidden, self.embed_tokens.weight)
+        return gather_logits(None if self.ctx is None else self.ctx.tp, local, self.config.vocab_size)
+
+    def final_logits(self, x: torch.Tensor, meta: AttentionMetadata,
+                     logits_indices: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The last stage's end: logits at `logits_indices` of the last layer's output `x` (by default at each
+        sequence's last new token, `[seqs, vocab]`)."""
+        if logits_indices is None and meta.num_prefills:
+            logits_indices = torch.tensor(meta.query_lens, device=x.device).cumsum(0) - 1
+        if logits_indices is not None:  # else one new token per sequence: every row is a last token
+            x = x[logits_indices]
+        return self.logits(self.norm.forward(x))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata,
@@ -125,12 +159,8 @@ class CausalLM(nn.Module):
 
         By default the logits are taken at each sequence's last new token, `[seqs, vocab]`.
         """
-        hidden = self.hidden_states(input_ids, positions, kv_cache, meta)
-        if logits_indices is None:
-            if meta.num_prefills == 0:  # one new token per sequence: every row is a last token
-                return self.logits(hidden)
-            logits_indices = torch.tensor(meta.query_lens, device=hidden.device).cumsum(0) - 1
-        return self.logits(hidden[logits_indices])
+        x = self.run_layers(self.embed_tokens(input_ids), positions, kv_cache, meta)
+        return self.final_logits(x, meta, logits_indices)
 
     def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -145,10 +175,11 @@ class CausalLM(nn.Module):
 
 
 def load_model(path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", seed: int = 0) -> CausalLM:
-    """Build the model on `device` and fill it from the checkpoint at `path` ("auto") or randomly ("dummy")."""
+               load_format: str = "auto", seed: int = 0, ctx: ParallelContext | None = None) -> CausalLM:
+    """Build the model (or, under a parallel layout, this rank's part of it) on `device` and fill it from the
+    checkpoint at `path` ("auto") or randomly ("dummy")."""
     with torch.device("meta"):  # no time spent on random init of weights about to be overwritten
-        model = CausalLM(config).to(dtype)
+        model = CausalLM(config, ctx).to(dtype)
     model = model.to_empty(device=device)
     if device.type == "cpu" and use_huge_pages():
         _move_to_huge_pages(model)
@@ -187,38 +218,56 @@ def _init_dummy(model: CausalLM, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
 
 
-# Hugging Face projection names -> (our fused projection, index of their slice within it)
+# Hugging Face projection names -> (our fused projection, index of their part within it)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
+def checkpoint_target(model: CausalLM, name: str) -> tuple[str, object] | None:
+    """Where checkpoint tensor `name` (Hugging Face's, without "model.") goes in `model`: (our parameter's name,
+    which part of it), or None when this rank does not hold it (another pipeline stage's layer)."""
+    parts = name.split(".")
+    if parts[0] == "layers":
+        index = int(parts[1])
+        if index not in model.layer_ids:
+            return None
+        parts[1] = str(index - model.layer_ids.start)
+    elif getattr(model, parts[0], None) is None:
+        return None  # the embedding, norm or head of another stage
+    if len(parts) >= 2 and parts[-2] in _FUSED:
+        target, part = _FUSED[parts[-2]]
+        return ".".join(parts[:-2] + [target, parts[-1]]), part
+    return ".".join(parts), None
+
+
 def _load_hf_weights(model: CausalLM, state: dict[str, torch.Tensor]) -> None:
-    """Copy a Hugging Face Llama state dict into our (fused) parameters, failing on anything missing or extra."""
+    """Fill our parameters from a Hugging Face state dict, each through its layer's `weight_loader` (which keeps
+    this rank's shard of it), failing on anything missing or extra."""
     params = dict(model.named_parameters())
-    attn = model.layers[0].self_attn
-    sizes = {"qkv_proj": [attn.q_size, attn.kv_size, attn.kv_size],
-             "gate_up_proj": [model.config.intermediate_size] * 2}
     loaded = set()
     with torch.no_grad():
         for hf_name, tensor in state.items():
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
-            if name == "lm_head.weight" and model.lm_head is None:
+            if name == "lm_head.weight" and model.config.tie_word_embeddings:
                 continue  # tied head saved anyway by some checkpoints
-            parts = name.split(".")
-            fused = _FUSED.get(parts[-2]) if len(parts) >= 2 else None
-            if fused:
-                target, idx = fused
-                name = ".".join(parts[:-2] + [target, parts[-1]])
-                offset = sum(sizes[target][:idx])
-                params[name][offset:offset + sizes[target][idx]].copy_(tensor)
-                loaded.add((name, idx))
-            elif name in params:
-                params[name].copy_(tensor)
-                loaded.add((name, 0))
-            else:
+            target = checkpoint_target(model, name)
+            if target is None:
+                continue
+            param_name, part = target
+            if param_name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the Llama-family model")
-    missing = [n for n in params if not all((n, i) in loaded for i in range(len(sizes.get(n.split(".")[-2], [0]))))]
+            module_name, _, attr = param_name.rpartition(".")
+            module = model.get_submodule(module_name)
+            loader = getattr(module, "weight_loader", None)
+            if loader is not None:
+                loader(params[param_name], tensor, part)
+            else:
+                params[param_name].copy_(tensor)
+            loaded.add((param_name, part))
+    missing = [name for name in params
+               for part in getattr(model.get_submodule(name.rpartition(".")[0]), "shard_ids", (None,))
+               if (name, part) not in loaded]
     if missing:
         raise ValueError(f"checkpoint is missing weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")

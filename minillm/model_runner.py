@@ -11,16 +11,23 @@ from .kernels import use_cpu_kernel, use_triton
 from .kv_cache import KVCache
 from .layers import dispatch_mode_active
 from .model import CausalLM
+from .parallel.executor import MultiprocExecutor
+from .parallel.pipeline import MicroBatch, StepPlan
 from .sampling import TokenLogprobs, logprobs_of, sample
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 
 
 class ModelRunner:
-    """Owns the model and its KV cache; one `run` call is one forward pass over the batch."""
+    """Owns the model and its KV cache; one `run` call is one forward pass over the batch.
 
-    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device):
-        self.model, self.kv_cache, self.device = model, kv_cache, device
+    Under a parallel layout the model here is rank 0's part, and `executor` runs each pass on every rank,
+    the batch split into `executor.num_micro_batches` micro-batches for the pipeline.
+    """
+
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device,
+                 executor: MultiprocExecutor | None = None):
+        self.model, self.kv_cache, self.device, self.executor = model, kv_cache, device, executor
         self.block_size = kv_cache.block_size
         self.use_triton = use_triton(device)  # the one place the attention path is chosen
         self.use_cpu_kernel = not self.use_triton and use_cpu_kernel(device, kv_cache.dtype)
@@ -67,24 +74,44 @@ class ModelRunner:
         for src, dst in copies:
             self.kv_cache.copy_block(src, dst)
 
+    def execute(self, batches: list[MicroBatch], block_copies: list[tuple[int, int]] = ()) -> torch.Tensor:
+        """The logits of one forward pass over `batches` (one, unless the pipeline splits the step), in order."""
+        if self.executor is None:
+            self.copy_blocks(block_copies)
+            (mb,) = batches
+            return self.model(mb.input_ids, mb.positions, self.kv_cache, mb.meta, mb.logits_indices)
+        logits = self.executor.execute(StepPlan(batches, list(block_copies)))
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+    def _micro_batch(self, seqs: list[Sequence], num_new_tokens: list[int], done: list[bool],
+                     scored: list[range]) -> MicroBatch:
+        """Pack sequences (in the given order) with the rows whose logits are wanted: the prompt positions that
+        are scored, and the last token of each sequence whose whole context is now computed."""
+        ids, positions, meta, _ = self.prepare(seqs, num_new_tokens)
+        indices = None  # the model's default: every sequence's last new token
+        if not all(done) or any(scored):
+            rows, start = [], 0
+            for s, n, d, pos in zip(seqs, num_new_tokens, done, scored):
+                rows += [start + p - s.num_cached_tokens for p in pos] + ([start + n - 1] if d else [])
+                start += n
+            indices = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return MicroBatch(ids, positions, meta, indices)
+
     def run(self, step: SchedulerOutput) -> list[SeqResult]:
         """One forward pass; a next token for every sequence whose whole context is now computed.
 
         Logits are taken only where needed: at each such sequence's last token, and at the prompt
         positions of sequences that asked for their prompt's log-probs.
         """
-        self.copy_blocks(step.block_copies)
-        ids, positions, meta, seqs = self.prepare(step.seqs, step.num_new_tokens)
-        done = [s.num_cached_tokens + n == s.num_tokens for s, n in zip(seqs, meta.query_lens)]
-        scored = [s.prompt_logprob_positions(n) for s, n in zip(seqs, meta.query_lens)]
-        indices = None  # the model's default: every sequence's last new token
-        if not all(done) or any(scored):
-            rows, start = [], 0
-            for s, n, d, pos in zip(seqs, meta.query_lens, done, scored):
-                rows += [start + p - s.num_cached_tokens for p in pos] + ([start + n - 1] if d else [])
-                start += n
-            indices = torch.tensor(rows, dtype=torch.long, device=self.device)
-        logits = self.model(ids, positions, self.kv_cache, meta, indices)
+        order = sorted(range(len(step.seqs)), key=lambda i: step.num_new_tokens[i] == 1)  # prefills first
+        seqs, nums = [step.seqs[i] for i in order], [step.num_new_tokens[i] for i in order]
+        done = [s.num_cached_tokens + n == s.num_tokens for s, n in zip(seqs, nums)]
+        scored = [s.prompt_logprob_positions(n) for s, n in zip(seqs, nums)]
+        parts = 1 if self.executor is None else min(len(seqs), self.executor.num_micro_batches)
+        bounds = [len(seqs) * i // parts for i in range(parts + 1)]
+        batches = [self._micro_batch(seqs[a:b], nums[a:b], done[a:b], scored[a:b])
+                   for a, b in zip(bounds, bounds[1:])]
+        logits = self.execute(batches, step.block_copies)
         sample_rows, row = [], 0
         for d, pos in zip(done, scored):
             row += len(pos)

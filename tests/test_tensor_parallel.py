@@ -22,8 +22,9 @@ def _mlp_rank(comm):
     x, gate_up, down, down_bias = _weights()
     col = ColumnParallelLinear(HIDDEN, [INTER, INTER], comm)
     row = RowParallelLinear(INTER, HIDDEN, comm, bias=True)
-    col.weight_loader(gate_up)
-    row.weight_loader(down, down_bias)
+    col.weight_loader(col.weight, gate_up)
+    row.weight_loader(row.weight, down)
+    row.weight_loader(row.bias, down_bias)
     return row(silu_and_mul(col(x))), dict(comm.stats)
 
 
@@ -40,7 +41,7 @@ def _qkv_rank(comm, sizes):
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(3, HIDDEN, generator=gen), torch.randn(sum(sizes), HIDDEN, generator=gen)
     layer = ColumnParallelLinear(HIDDEN, sizes, comm, unit=16)
-    layer.weight_loader(w)
+    layer.weight_loader(layer.weight, w)
     return layer(x), x, w
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import socket
 import time
 from collections import defaultdict
@@ -30,8 +31,8 @@ class Comm:
     """The collectives of one process group, timed and counted per operation (`stats`)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None):
-        self.group = group
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.group = group or dist.group.WORLD  # a group made with or without `init_process_group`
+        self.rank, self.world_size = self.group.rank(), self.group.size()
         self.stats: dict[str, OpStats] = defaultdict(OpStats)
 
     def _record(self, op: str, nbytes: int, start: float) -> None:
@@ -53,12 +54,71 @@ class Comm:
         self._record("all_gather", (self.world_size - 1) * t.nbytes, start)
         return out
 
+    def gather(self, t: torch.Tensor, dst: int = 0) -> list[torch.Tensor] | None:
+        """Every rank's `t` (all the same shape) in rank order, on rank `dst` only (None elsewhere)."""
+        start = time.perf_counter()
+        out = [torch.empty_like(t) for _ in range(self.world_size)] if self.rank == dst else None
+        dist.gather(t, out, group_dst=dst, group=self.group)
+        self._record("gather", 0 if self.rank == dst else t.nbytes, start)
+        return out
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank `src`'s `t`, copied into `t` on every rank."""
+        start = time.perf_counter()
+        dist.broadcast(t, group_src=src, group=self.group)
+        self._record("broadcast", t.nbytes if self.rank == src else 0, start)
+        return t
+
+    def broadcast_object(self, obj=None, src: int = 0):
+        """Rank `src`'s picklable `obj` on every rank: its length, then its bytes (a step plan, say)."""
+        if self.rank == src:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            self.broadcast(torch.tensor([data.numel()]), src)
+            self.broadcast(data, src)
+            return obj
+        size = self.broadcast(torch.zeros(1, dtype=torch.long), src)
+        return pickle.loads(self.broadcast(torch.empty(int(size), dtype=torch.uint8), src).numpy().tobytes())
+
+    def send_object(self, obj, dst: int) -> None:
+        """Send a picklable `obj` to rank `dst` (which calls `recv_object`)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        self.send(torch.tensor([data.numel()]), dst).wait()
+        self.send(data, dst).wait()
+
+    def recv_object(self, src: int):
+        size = self.recv(torch.zeros(1, dtype=torch.long), src)
+        return pickle.loads(self.recv(torch.empty(int(size), dtype=torch.uint8), src).numpy().tobytes())
+
+    def all_to_all(self, t: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        """Rows `t` split by `send_counts` (rows for rank 0, 1, ...); the rows every rank sent here, in rank
+        order (`recv_counts` of them from each). The dispatch and combine of expert parallelism."""
+        start = time.perf_counter()
+        out = t.new_empty((sum(recv_counts), *t.shape[1:]))
+        self.group.alltoall_base(out, t.contiguous(), recv_counts, send_counts).wait()
+        row = t[0].nbytes if t.shape[0] else 0
+        self._record("all_to_all", (sum(send_counts) - send_counts[self.rank]) * row, start)
+        return out
+
+    def send(self, t: torch.Tensor, dst: int) -> dist.Work:
+        """Start sending `t` to rank `dst`; the returned handle's `wait()` finishes it."""
+        start = time.perf_counter()
+        work = dist.isend(t, group_dst=dst, group=self.group)
+        self._record("send", t.nbytes, start)
+        return work
+
+    def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """Fill `t` with what rank `src` sends (the time counted is the time waited)."""
+        start = time.perf_counter()
+        dist.irecv(t, group_src=src, group=self.group).wait()
+        self._record("recv", 0, start)
+        return t
+
     def send_recv(self, send: torch.Tensor, recv: torch.Tensor, dst: int, src: int) -> torch.Tensor:
         """Send `send` to rank `dst` while receiving `recv` (same shape on the sender) from rank `src`: one step of
         a ring, where every rank passes what it holds to its neighbour."""
         start = time.perf_counter()
-        ops = [dist.P2POp(dist.isend, send, dst, self.group), dist.P2POp(dist.irecv, recv, src, self.group)]
-        for request in dist.batch_isend_irecv(ops):
+        requests = [dist.isend(send, group_dst=dst, group=self.group), dist.irecv(recv, group_src=src, group=self.group)]
+        for request in requests:
             request.wait()
         self._record("send_recv", send.nbytes, start)
         return recv

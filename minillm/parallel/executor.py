@@ -50,8 +50,9 @@ class MultiprocExecutor:
             raise self._failure(e) from None
 
     def _failure(self, error: BaseException) -> BaseException:
-        """A worker's own error when one reported it (a peer's failure surfaces here as a broken connection)."""
-        if not self._errors.empty():
+        """A worker's own error when one reported it: a peer's failure surfaces here as a broken connection (a
+        RuntimeError); any other error is this rank's own, and stands."""
+        if isinstance(error, RuntimeError) and not self._errors.empty():
             return RuntimeError(f"a parallel worker failed: {self._errors.get()}")
         return error
 

@@ -11,6 +11,8 @@ readable and timed apart).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..kernels.online_softmax import merge_partials, partial_attention
@@ -31,12 +33,14 @@ def split_sequence(length: int, world_size: int) -> list[tuple[int, int]]:
 
 
 def ring_attention(comm: Comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, total: int,
-                   causal: bool = True, scale: float | None = None) -> torch.Tensor:
+                   causal: bool = True, scale: float | None = None, steps: list[dict] | None = None) -> torch.Tensor:
     """This rank's attention output `[n, heads, d]` for its slice (tokens `start .. start + n - 1` of `total`)
     of queries q `[n, heads, d]` and keys/values k, v `[n, kv_heads, d]`, attending to the whole sequence.
 
     Blocks travel padded to the longest slice, with their start and length in a small header, so ranks may hold
     slices of different lengths (`split_sequence`). Equals attention over the whole sequence on one device.
+    `steps`, when given, receives a record per ring step: whose block was in hand, and the seconds spent
+    computing on it and passing it on.
     """
     n, heads, d = q.shape
     kv_heads = k.shape[1]
@@ -52,6 +56,7 @@ def ring_attention(comm: Comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     lse = torch.full((heads, n), float("-inf"))
     nxt, prev = (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
     for step in range(comm.world_size):
+        began = time.perf_counter()
         kv_start, kv_len = header.tolist()
         keys = torch.arange(kv_start, kv_start + kv_len)
         mask = (keys[None, :] <= positions[:, None]) if causal else None
@@ -59,7 +64,21 @@ def ring_attention(comm: Comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             g = h // (heads // kv_heads)
             o_b, lse_b = partial_attention(q[:, h], block[0, :kv_len, g], block[1, :kv_len, g], scale, mask)
             o[h], lse[h] = merge_partials(o[h], lse[h], o_b, lse_b)
+        computed = time.perf_counter()
         if step < comm.world_size - 1:  # pass the block on, take the previous rank's
             block = comm.send_recv(block, torch.empty_like(block), nxt, prev)
             header = comm.send_recv(header, torch.empty_like(header), nxt, prev)
+        if steps is not None:
+            steps.append({"rank": comm.rank, "step": step, "kv_start": kv_start, "kv_len": kv_len,
+                          "compute_s": computed - began, "comm_s": time.perf_counter() - computed})
     return o.transpose(0, 1).to(q.dtype)
+
+
+def ring_attention_rank(comm: Comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        causal: bool = True) -> tuple[torch.Tensor, list[dict]]:
+    """This rank's part of ring attention when every rank is handed the whole q, k, v (a demonstration: a real
+    caller holds only its slice): the output for its slice of the sequence, and its per-step records."""
+    start, end = split_sequence(q.shape[0], comm.world_size)[comm.rank]
+    steps: list[dict] = []
+    out = ring_attention(comm, q[start:end], k[start:end], v[start:end], start, q.shape[0], causal, steps=steps)
+    return out, steps

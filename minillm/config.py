@@ -8,7 +8,12 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Everything the forward pass needs to know about a Llama-family model."""
+    """Everything the forward pass needs to know about a Llama-family model.
+
+    A Mixture-of-Experts model (Mixtral, Qwen2-MoE) has `num_experts` > 0: its MoE layers route each token to
+    `num_experts_per_tok` experts of `moe_intermediate_size` channels (plus, in Qwen2-MoE, a gated shared expert);
+    its other layers (`mlp_only_layers`, or off the `decoder_sparse_step`) keep the dense MLP of `intermediate_size`.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -24,6 +29,13 @@ class ModelConfig:
     qkv_bias: bool = False
     rope_scaling: dict | None = None
     eos_token_ids: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1 (Mixtral always does)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, hf) -> "ModelConfig":
@@ -34,6 +46,8 @@ class ModelConfig:
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         eos = hf.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or 0  # Mixtral, Qwen2-MoE
+        expert_size = (getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size) if experts else 0
         return cls(
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -46,9 +60,16 @@ class ModelConfig:
             rope_theta=float(theta),
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+            qkv_bias=hf.model_type == "qwen2" or any(getattr(hf, k, False) for k in ("qkv_bias", "attention_bias")),
             rope_scaling=scaling,
             eos_token_ids=eos_ids,
+            num_experts=experts,
+            num_experts_per_tok=getattr(hf, "num_experts_per_tok", 0) if experts else 0,
+            moe_intermediate_size=expert_size,
+            shared_expert_intermediate_size=getattr(hf, "shared_expert_intermediate_size", 0) or 0,
+            norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)),
+            decoder_sparse_step=getattr(hf, "decoder_sparse_step", 1) or 1,
+            mlp_only_layers=tuple(getattr(hf, "mlp_only_layers", None) or ()),
         )
 
     @classmethod
@@ -65,12 +86,18 @@ class ModelConfig:
         eos = tuple(dict.fromkeys(config.eos_token_ids + gen_ids))
         return ModelConfig(**{**config.__dict__, "eos_token_ids": eos})
 
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether layer `layer_id` has a Mixture-of-Experts block in place of the dense MLP."""
+        return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
+
     @property
     def num_params(self) -> int:
-        """Parameter count implied by the shape (the tied head counted once)."""
+        """Parameter count implied by the shape (the tied head counted once; every expert counted)."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)
-        mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h
+        shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
+        moe = self.num_experts * (h + 3 * h * self.moe_intermediate_size) + shared  # router, experts, shared expert
+        mlps = sum(moe if self.is_moe_layer(i) else 3 * h * self.intermediate_size for i in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + self.num_layers * per_layer + h + head
+        return self.vocab_size * h + self.num_layers * (attn + 2 * h) + mlps + h + head

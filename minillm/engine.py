@@ -68,6 +68,9 @@ class LLMEngine:
         self.parallel.check(self.config)
         if self.parallel.world_size > 1 and quantization is not None:
             raise ValueError("quantization is not supported together with tensor or pipeline parallelism here")
+        if self.config.num_experts and quantization is not None:
+            raise ValueError("quantization is not supported for Mixture-of-Experts models here (their experts are "
+                             "not linear layers that quantize_model replaces)")
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
         self.executor = None
         if self.parallel.world_size > 1:

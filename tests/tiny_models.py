@@ -34,7 +34,8 @@ def build_tokenizer(out: Path, vocab_size: int = 320):
 
 
 def build_tiny_model(out: Path, arch: str = "llama", tie: bool = True, seed: int = 0, **overrides) -> Path:
-    """Save a random 2-layer model of family `arch` ("llama", "qwen2", "mistral") with its tokenizer into `out`."""
+    """Save a random 2-layer model of family `arch` ("llama", "qwen2", "mistral", or the Mixture-of-Experts "mixtral"
+    and "qwen2_moe", with 4 and 8 experts, top-2) with its tokenizer into `out`."""
     import transformers
 
     out.mkdir(parents=True, exist_ok=True)
@@ -46,9 +47,15 @@ def build_tiny_model(out: Path, arch: str = "llama", tie: bool = True, seed: int
     cfg.update(overrides)
     config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
                              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-                             "mistral": ("MistralConfig", "MistralForCausalLM")}[arch]
-    if arch == "mistral":
+                             "mistral": ("MistralConfig", "MistralForCausalLM"),
+                             "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+                             "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM")}[arch]
+    if arch in ("mistral", "mixtral"):
         cfg.setdefault("sliding_window", None)
+    moe = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+           "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=64)}
+    cfg = {**moe.get(arch, {}), **cfg}
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**cfg))
     model.save_pretrained(out)

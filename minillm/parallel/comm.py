@@ -152,13 +152,15 @@ def _worker(rank: int, world_size: int, port: int, fn, args: tuple, results) -> 
         value = fn(Comm(), *args)
     except BaseException as e:  # reported to the parent, which raises it
         value = RuntimeError(f"rank {rank}: {type(e).__name__}: {e}")
-    finally:
-        dist.destroy_process_group()
     # as plain bytes: a tensor put on the queue as it is travels as a handle to this process's shared memory,
     # which the parent could no longer open once this process has exited
     buffer = io.BytesIO()
     torch.save(value, buffer)
-    results.put((rank, buffer.getvalue()))
+    results.put((rank, buffer.getvalue()))  # before tearing down: a peer that left first must not lose this
+    try:
+        dist.destroy_process_group()
+    except RuntimeError:
+        pass
 
 
 def run_group(fn, world_size: int, *args, timeout: float = 120.0) -> list:

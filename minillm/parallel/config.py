@@ -44,11 +44,18 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size={tp} must divide the model's {config.num_heads} query heads and "
                              f"{config.num_kv_heads} key/value heads (each rank holds whole heads); "
                              f"try one of {[n for n in range(1, config.num_kv_heads + 1) if _fits(config, n)]}")
-        if config.intermediate_size % tp:
+        dense = [i for i in range(config.num_layers) if not config.is_moe_layer(i)]
+        if dense and config.intermediate_size % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide the MLP's {config.intermediate_size} channels")
+        split_experts = config.num_experts and not self.enable_expert_parallel  # each expert split by channels
+        for what, channels in (("an expert's", config.moe_intermediate_size),
+                               ("the shared expert's", config.shared_expert_intermediate_size)):
+            if split_experts and channels % tp:
+                raise ValueError(f"tensor_parallel_size={tp} must divide {what} {channels} channels "
+                                 "(or set enable_expert_parallel=True to spread whole experts over the ranks)")
         if pp > config.num_layers:
             raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's {config.num_layers} layers")
-        experts = getattr(config, "num_experts", 0)
+        experts = config.num_experts
         if self.enable_expert_parallel and not experts:
             raise ValueError("enable_expert_parallel needs a Mixture-of-Experts model; this one has no experts")
         if self.enable_expert_parallel and experts % tp:

@@ -19,7 +19,7 @@ from ..layers import Linear
 from .comm import Comm
 
 
-def _check_divisible(what: str, sizes: list[int], world_size: int, unit: int = 1) -> None:
+def check_divisible(what: str, sizes: list[int], world_size: int, unit: int = 1) -> None:
     """Each size must split into `world_size` equal shards of whole units (e.g. whole heads of `unit` features)."""
     if any(size % unit or (size // unit) % world_size for size in sizes):
         units = f" ({[size / unit for size in sizes]} units of {unit})" if unit > 1 else ""
@@ -44,7 +44,7 @@ class ColumnParallelLinear(Linear):
     def __init__(self, in_features: int, out_sizes: list[int], tp: Comm | None = None, bias: bool = False,
                  unit: int = 1):
         rank, world = _rank_size(tp)
-        _check_divisible("output sizes", out_sizes, world, unit)
+        check_divisible("output sizes", out_sizes, world, unit)
         self.out_sizes, self.local_sizes = list(out_sizes), [size // world for size in out_sizes]
         super().__init__(in_features, sum(self.local_sizes), bias=bias)
         self.tp, self.tp_rank = tp, rank
@@ -75,7 +75,7 @@ class RowParallelLinear(Linear):
 
     def __init__(self, in_features: int, out_features: int, tp: Comm | None = None, bias: bool = False):
         rank, world = _rank_size(tp)
-        _check_divisible("input size", [in_features], world)
+        check_divisible("input size", [in_features], world)
         super().__init__(in_features // world, out_features, bias=bias)
         self.tp, self.tp_rank = tp, rank
 

@@ -192,9 +192,9 @@ def load_model(path, config: ModelConfig, dtype: torch.dtype, device: torch.devi
     if load_format == "dummy":
         _init_dummy(model, seed)
     elif load_format == "auto":
-        from .weights import load_state_dict
+        from .weights import checkpoint_tensors
 
-        _load_hf_weights(model, load_state_dict(path))
+        _load_hf_weights(model, checkpoint_tensors(path))
     else:
         raise ValueError(f"load_format {load_format!r} is not supported; use 'auto' or 'dummy'")
     if use_packed_weights(device, dtype):
@@ -247,13 +247,14 @@ def checkpoint_target(model: CausalLM, name: str) -> tuple[str, object] | None:
     return ".".join(parts), None
 
 
-def _load_hf_weights(model: CausalLM, state: dict[str, torch.Tensor]) -> None:
-    """Fill our parameters from a Hugging Face state dict, each through its layer's `weight_loader` (which keeps
-    this rank's shard of it), failing on anything missing or extra."""
+def _load_hf_weights(model: CausalLM, tensors) -> None:
+    """Fill our parameters from a Hugging Face checkpoint's `(name, read)` pairs, each through its layer's
+    `weight_loader` (which keeps this rank's shard of it), reading only the tensors this rank holds; failing on
+    anything missing or extra."""
     params = dict(model.named_parameters())
     loaded = set()
     with torch.no_grad():
-        for hf_name, tensor in state.items():
+        for hf_name, read in tensors:
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
@@ -265,13 +266,11 @@ def _load_hf_weights(model: CausalLM, state: dict[str, torch.Tensor]) -> None:
             param_name, part = target
             if param_name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the Llama-family model")
-            module_name, _, attr = param_name.rpartition(".")
-            module = model.get_submodule(module_name)
-            loader = getattr(module, "weight_loader", None)
+            loader = getattr(model.get_submodule(param_name.rpartition(".")[0]), "weight_loader", None)
             if loader is not None:
-                loader(params[param_name], tensor, part)
+                loader(params[param_name], read(), part)
             else:
-                params[param_name].copy_(tensor)
+                params[param_name].copy_(read())
             loaded.add((param_name, part))
     missing = [name for name in params
                for part in getattr(model.get_submodule(name.rpartition(".")[0]), "shard_ids", (None,))

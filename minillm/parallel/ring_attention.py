@@ -39,8 +39,8 @@ def ring_attention(comm: Comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     Blocks travel padded to the longest slice, with their start and length in a small header, so ranks may hold
     slices of different lengths (`split_sequence`). Equals attention over the whole sequence on one device.
-    `steps`, when given, receives a record per ring step: whose block was in hand, and the seconds spent
-    computing on it and passing it on.
+    `steps`, when given, receives a record per ring step: whose block was in hand, the seconds spent computing
+    on it and passing it on, and the bytes passed.
     """
     n, heads, d = q.shape
     kv_heads = k.shape[1]
@@ -64,13 +64,15 @@ def ring_attention(comm: Comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             g = h // (heads // kv_heads)
             o_b, lse_b = partial_attention(q[:, h], block[0, :kv_len, g], block[1, :kv_len, g], scale, mask)
             o[h], lse[h] = merge_partials(o[h], lse[h], o_b, lse_b)
-        computed = time.perf_counter()
+        computed, sent = time.perf_counter(), 0
         if step < comm.world_size - 1:  # pass the block on, take the previous rank's
+            sent = block.nbytes + header.nbytes
             block = comm.send_recv(block, torch.empty_like(block), nxt, prev)
             header = comm.send_recv(header, torch.empty_like(header), nxt, prev)
         if steps is not None:
             steps.append({"rank": comm.rank, "step": step, "kv_start": kv_start, "kv_len": kv_len,
-                          "compute_s": computed - began, "comm_s": time.perf_counter() - computed})
+                          "compute_s": computed - began, "comm_s": time.perf_counter() - computed,
+                          "bytes": sent})
     return o.transpose(0, 1).to(q.dtype)
 
 

@@ -11,6 +11,7 @@ import pickle
 import socket
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -113,15 +114,27 @@ class Comm:
         self._record("recv", 0, start)
         return t
 
+    def start_send_recv(self, send: torch.Tensor, recv: torch.Tensor, dst: int, src: int,
+                        tag: int = 0) -> Callable[[], torch.Tensor]:
+        """Start sending `send` to rank `dst` and receiving `recv` from rank `src`, and return at once; the function
+        returned waits for both and gives `recv` (the time counted is the time it waits). A ring step starts its
+        transfer this way, then computes while the bytes travel."""
+        requests = [dist.isend(send, group_dst=dst, group=self.group, tag=tag),
+                    dist.irecv(recv, group_src=src, group=self.group, tag=tag)]
+
+        def wait() -> torch.Tensor:
+            start = time.perf_counter()
+            for request in requests:
+                request.wait()
+            self._record("send_recv", send.nbytes, start)
+            return recv
+
+        return wait
+
     def send_recv(self, send: torch.Tensor, recv: torch.Tensor, dst: int, src: int) -> torch.Tensor:
         """Send `send` to rank `dst` while receiving `recv` (same shape on the sender) from rank `src`: one step of
         a ring, where every rank passes what it holds to its neighbour."""
-        start = time.perf_counter()
-        requests = [dist.isend(send, group_dst=dst, group=self.group), dist.irecv(recv, group_src=src, group=self.group)]
-        for request in requests:
-            request.wait()
-        self._record("send_recv", send.nbytes, start)
-        return recv
+        return self.start_send_recv(send, recv, dst, src)()
 
 
 def free_port() -> int:

@@ -5,8 +5,8 @@ attends from its queries to the key/value block it holds, then passes that block
 one from the previous, so every query meets every key once while no rank ever holds more than two blocks. The
 partial results are merged with chapter 5's online softmax (`kernels.online_softmax`): the same arithmetic that
 lets FlashAttention visit keys tile by tile lets a ring visit them rank by rank. Communication per step is one
-block of K and V, which can overlap the attention of the block in hand (not done here, to keep the steps
-readable and timed apart).
+block of K and V, sent while the block in hand is computed on, so the transfer hides behind the compute whenever
+attending to a block takes longer than sending it.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ def ring_attention(comm: Comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     Blocks travel padded to the longest slice, with their start and length in a small header, so ranks may hold
     slices of different lengths (`split_sequence`). Equals attention over the whole sequence on one device.
-    `steps`, when given, receives a record per ring step: whose block was in hand, the seconds spent computing
-    on it and passing it on, and the bytes passed.
+    Each step starts passing its block on before computing on it, so the transfer overlaps the compute. `steps`,
+    when given, receives a record per ring step: whose block was in hand, the seconds spent computing on it and
+    then waiting for the next one (the communication the compute did not hide), and the bytes passed.
     """
     n, heads, d = q.shape
     kv_heads = k.shape[1]
@@ -56,7 +57,10 @@ def ring_attention(comm: Comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     lse = torch.full((heads, n), float("-inf"))
     nxt, prev = (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
     for step in range(comm.world_size):
-        began = time.perf_counter()
+        began, last = time.perf_counter(), step == comm.world_size - 1
+        if not last:  # start passing the block on (and taking the previous rank's) before computing on it
+            next_block = comm.start_send_recv(block, torch.empty_like(block), nxt, prev, tag=0)
+            next_header = comm.start_send_recv(header, torch.empty_like(header), nxt, prev, tag=1)
         kv_start, kv_len = header.tolist()
         keys = torch.arange(kv_start, kv_start + kv_len)
         mask = (keys[None, :] <= positions[:, None]) if causal else None
@@ -64,15 +68,12 @@ def ring_attention(comm: Comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             g = h // (heads // kv_heads)
             o_b, lse_b = partial_attention(q[:, h], block[0, :kv_len, g], block[1, :kv_len, g], scale, mask)
             o[h], lse[h] = merge_partials(o[h], lse[h], o_b, lse_b)
-        computed, sent = time.perf_counter(), 0
-        if step < comm.world_size - 1:  # pass the block on, take the previous rank's
-            sent = block.nbytes + header.nbytes
-            block = comm.send_recv(block, torch.empty_like(block), nxt, prev)
-            header = comm.send_recv(header, torch.empty_like(header), nxt, prev)
+        computed, sent = time.perf_counter(), 0 if last else block.nbytes + header.nbytes
+        if not last:  # what the compute did not hide is waited for here
+            block, header = next_block(), next_header()
         if steps is not None:
             steps.append({"rank": comm.rank, "step": step, "kv_start": kv_start, "kv_len": kv_len,
-                          "compute_s": computed - began, "comm_s": time.perf_counter() - computed,
-                          "bytes": sent})
+                          "compute_s": computed - began, "wait_s": time.perf_counter() - computed, "bytes": sent})
     return o.transpose(0, 1).to(q.dtype)
 
 

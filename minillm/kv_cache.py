@@ -171,6 +171,11 @@ class KVCache:
             if pool is not None:
                 pool[:, dst].copy_(pool[:, src])
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write before a step: each `(src, dst)` block pair, in order."""
+        for src, dst in copies:
+            self.copy_block(src, dst)
+
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
     """Bytes one block of the pool takes over all layers, scales included."""

@@ -23,7 +23,8 @@ from .layers import (Linear, RMSNorm, RotaryEmbedding, pack_weight, packed_linea
 from .moe import SparseMoeBlock, moe_checkpoint_target
 from .parallel.comm import Comm
 from .parallel.state import ParallelContext
-from .parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_logits
+from .parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_logits,
+                                       pad_vocab)
 
 
 class Attention(nn.Module):
@@ -108,8 +109,8 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, tp, i, ctx is not None and ctx.config.enable_expert_parallel)
                                     for i in self.layer_ids)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
-        vocab = -(-config.vocab_size // (1 if tp is None else tp.world_size)) * (1 if tp is None else tp.world_size)
-        self.lm_head = ColumnParallelLinear(config.hidden_size, [vocab], tp) if last and not tied else None
+        self.lm_head = (ColumnParallelLinear(config.hidden_size, [pad_vocab(config.vocab_size, tp)], tp)
+                        if last and not tied else None)
         self.packed_head: torch.Tensor | None = None  # the tied head's oneDNN-packed copy (see pack_weights)
 
     def pack_weights(self) -> None:

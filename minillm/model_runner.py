@@ -69,15 +69,10 @@ class ModelRunner:
         """Every uncomputed token of each sequence (whole prompts)."""
         return self.prepare(seqs, [s.num_uncomputed_tokens for s in seqs])[:3]
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: duplicate shared blocks (all layers) before a sequence writes into its own copy."""
-        for src, dst in copies:
-            self.kv_cache.copy_block(src, dst)
-
     def execute(self, batches: list[MicroBatch], block_copies: list[tuple[int, int]] = ()) -> torch.Tensor:
         """The logits of one forward pass over `batches` (one, unless the pipeline splits the step), in order."""
         if self.executor is None:
-            self.copy_blocks(block_copies)
+            self.kv_cache.copy_blocks(block_copies)
             (mb,) = batches
             return self.model(mb.input_ids, mb.positions, self.kv_cache, mb.meta, mb.logits_indices)
         logits = self.executor.execute(StepPlan(batches, list(block_copies)))

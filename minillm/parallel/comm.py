@@ -73,22 +73,22 @@ class Comm:
     def broadcast_object(self, obj=None, src: int = 0):
         """Rank `src`'s picklable `obj` on every rank: its length, then its bytes (a step plan, say)."""
         if self.rank == src:
-            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            data = _encode(obj)
             self.broadcast(torch.tensor([data.numel()]), src)
             self.broadcast(data, src)
             return obj
         size = self.broadcast(torch.zeros(1, dtype=torch.long), src)
-        return pickle.loads(self.broadcast(torch.empty(int(size), dtype=torch.uint8), src).numpy().tobytes())
+        return _decode(self.broadcast(torch.empty(int(size), dtype=torch.uint8), src))
 
     def send_object(self, obj, dst: int) -> None:
         """Send a picklable `obj` to rank `dst` (which calls `recv_object`)."""
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        data = _encode(obj)
         self.send(torch.tensor([data.numel()]), dst).wait()
         self.send(data, dst).wait()
 
     def recv_object(self, src: int):
         size = self.recv(torch.zeros(1, dtype=torch.long), src)
-        return pickle.loads(self.recv(torch.empty(int(size), dtype=torch.uint8), src).numpy().tobytes())
+        return _decode(self.recv(torch.empty(int(size), dtype=torch.uint8), src))
 
     def all_to_all(self, t: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
         """Rows `t` split by `send_counts` (rows for rank 0, 1, ...); the rows every rank sent here, in rank
@@ -135,6 +135,15 @@ class Comm:
         """Send `send` to rank `dst` while receiving `recv` (same shape on the sender) from rank `src`: one step of
         a ring, where every rank passes what it holds to its neighbour."""
         return self.start_send_recv(send, recv, dst, src)()
+
+
+def _encode(obj) -> torch.Tensor:
+    """A picklable object as a byte tensor, for the `*_object` exchanges."""
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _decode(data: torch.Tensor):
+    return pickle.loads(data.numpy().tobytes())
 
 
 def free_port() -> int:

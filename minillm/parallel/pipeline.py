@@ -60,8 +60,7 @@ class TraceEvent:
 def execute_plan(model, kv_cache, ctx: ParallelContext, plan: StepPlan,
                  trace: list[TraceEvent] | None = None) -> list[torch.Tensor] | None:
     """Run this rank's part of the step; rank 0 returns each micro-batch's logits, the other ranks None."""
-    for src, dst in plan.block_copies:
-        kv_cache.copy_block(src, dst)
+    kv_cache.copy_blocks(plan.block_copies)
     world, hidden, dtype = ctx.world, model.config.hidden_size, next(model.parameters()).dtype
     sends, logits = [], []
     last_rank = (ctx.pp_size - 1) * ctx.tp_size  # tensor-parallel rank 0 of the last stage: it has the logits

@@ -30,6 +30,12 @@ def _rank_size(tp: Comm | None) -> tuple[int, int]:
     return (0, 1) if tp is None else (tp.rank, tp.world_size)
 
 
+def pad_vocab(vocab_size: int, tp: Comm | None) -> int:
+    """The vocabulary rounded up to split evenly over the tensor-parallel ranks (the extra rows score nothing)."""
+    world = _rank_size(tp)[1]
+    return -(-vocab_size // world) * world
+
+
 def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
@@ -104,7 +110,7 @@ class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, vocab_size: int, hidden_size: int, tp: Comm | None = None):
         rank, world = _rank_size(tp)
         self.vocab_size, self.tp, self.tp_rank = vocab_size, tp, rank
-        self.shard_rows = -(-vocab_size // world)
+        self.shard_rows = pad_vocab(vocab_size, tp) // world
         super().__init__(self.shard_rows, hidden_size)
         self.vocab_start = rank * self.shard_rows
 

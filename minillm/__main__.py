@@ -1,5 +1,6 @@
 """Command line: `python -m minillm generate "prompt"` streams a reply to the terminal, `serve` starts the
-OpenAI-compatible server, and `bench` benchmarks one."""
+OpenAI-compatible server, and `bench` benchmarks one (or, with `--offline`, an engine in this process).
+Every engine flag comes from `EngineArgs`, so the three take the same ones."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import argparse
 import sys
 
 from . import bench
+from .engine_args import EngineArgs
 from .llm import LLM
 from .sampling import RequestOutputKind, SamplingParams
 from .serving.launch import add_arguments as add_serve_arguments, serve
 
 
 def generate(args: argparse.Namespace) -> None:
-    llm = LLM(model=args.model, device=args.device, dtype=args.dtype)
+    llm = LLM(EngineArgs.from_cli_args(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, output_kind=RequestOutputKind.DELTA)
     prompt = args.prompt if args.raw else llm.apply_chat_template([{"role": "user", "content": args.prompt}])
@@ -28,23 +30,27 @@ def generate(args: argparse.Namespace) -> None:
           f"{1 / decode if n > 1 else 0:.1f} tokens/s decode]", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int | None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: `generate`, `serve` and `bench`, each with every `EngineArgs` flag."""
     parser = argparse.ArgumentParser(prog="python -m minillm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream a reply to one prompt")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help="local Hugging Face directory (default: SmolLM2-135M-Instruct)")
     gen.add_argument("--raw", action="store_true", help="use the prompt as plain text, without the chat template")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--device", default=None)
-    gen.add_argument("--dtype", default=None)
+    EngineArgs.add_cli_args(gen)
     add_serve_arguments(sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API"))
     bench.add_arguments(sub.add_parser("bench", help="benchmark an OpenAI-compatible server",
                                        description=bench.DESCRIPTION))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int | None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return {"generate": generate, "serve": serve, "bench": bench.run}[args.command](args)

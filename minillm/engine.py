@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import threading
 import time
@@ -12,8 +13,9 @@ import torch
 
 from .block_manager import BlockManager
 from .config import ModelConfig
+from .engine_args import EngineArgs
 from .kernels import triton_available
-from .kv_cache import KVCache, blocks_for_budget, kv_cache_storage_dtype
+from .kv_cache import KVCache, blocks_for_budget
 from .metrics import RequestMetrics
 from .model import load_model
 from .model_runner import ModelRunner, SeqResult
@@ -22,7 +24,7 @@ from .outputs import RequestOutput
 from .parallel.config import ParallelConfig
 from .parallel.executor import MultiprocExecutor
 from .parallel.pipeline import MicroBatch
-from .quant import QUANTIZATIONS, quantize_model
+from .quant import quantize_model
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
@@ -46,64 +48,61 @@ def default_device_dtype(device: str | torch.device | None, dtype: torch.dtype |
 class LLMEngine:
     """Holds the tokenizer, model, KV cache and scheduler; `add_request`, `step` and `abort` drive it."""
 
-    def __init__(self, model: str | Path | None = None, device=None, dtype=None, load_format: str = "auto",
-                 block_size: int = 16, num_kv_blocks: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True, *,
-                 quantization: str | None = None, quantization_group_size: int = 64, kv_cache_dtype: str = "auto",
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, enable_expert_parallel: bool = False):
+    def __init__(self, model: str | Path | EngineArgs | None = None, **kwargs):
+        """`LLMEngine(EngineArgs(...))`, or the same fields as keywords: `LLMEngine(path, device="cpu")`."""
         from transformers import AutoTokenizer
 
-        if block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must all be >= 1")
-        if quantization is not None and quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization {quantization!r} is not supported; use None or one of {QUANTIZATIONS}")
-        kv_cache_storage_dtype(kv_cache_dtype, torch.float32)  # checks the name before anything loads
-        self.path = resolve_model(model)
+        args = model if isinstance(model, EngineArgs) else EngineArgs(model=model, **kwargs)
+        if isinstance(model, EngineArgs) and kwargs:
+            args = replace(args, **kwargs)
+        self.args = args
+        self.path = resolve_model(args.model)
         check_architecture(self.path)
         self.config = ModelConfig.from_dir(self.path)
-        self.device, self.dtype = default_device_dtype(device, dtype)
+        self.device, self.dtype = default_device_dtype(args.device, args.dtype)
         if self.device.type == "cpu":
-            configure_threads()
-        self.parallel = ParallelConfig(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel)
+            configure_threads(args.num_threads)
+        self.parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size,
+                                       args.enable_expert_parallel)
         self.parallel.check(self.config)
-        if self.parallel.world_size > 1 and quantization is not None:
+        if self.parallel.world_size > 1 and args.quantization is not None:
             raise ValueError("quantization is not supported together with tensor or pipeline parallelism here")
-        if self.config.num_experts and quantization is not None:
+        if self.config.num_experts and args.quantization is not None:
             raise ValueError("quantization is not supported for Mixture-of-Experts models here (their experts are "
                              "not linear layers that quantize_model replaces)")
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
         self.executor = None
         if self.parallel.world_size > 1:
             self.executor = MultiprocExecutor(self.path, self.config, self.parallel, self.dtype, self.device,
-                                              load_format)
+                                              args.load_format, args.num_threads)
             self.model = self.executor.model
         else:
-            self.model = load_model(self.path, self.config, self.dtype, self.device, load_format)
+            self.model = load_model(self.path, self.config, self.dtype, self.device, args.load_format)
         try:
-            self._build_runtime(quantization, quantization_group_size, kv_cache_dtype, num_kv_blocks, block_size,
-                              enable_prefix_caching, max_num_seqs, max_num_batched_tokens)
+            self._build_runtime(args)
         except BaseException:
             self.shutdown()
             raise
 
-    def _build_runtime(self, quantization, quantization_group_size, kv_cache_dtype, num_kv_blocks, block_size,
-                     enable_prefix_caching, max_num_seqs, max_num_batched_tokens) -> None:
+    def _build_runtime(self, args: EngineArgs) -> None:
         """Everything after the weights: quantization, the KV cache (on every rank), the scheduler and the
         output processing, then a warm-up."""
+        quantization, kv_cache_dtype, block_size = args.quantization, args.kv_cache_dtype, args.block_size
         if quantization is not None:
             if self.device.type not in ("cpu", "cuda") or (self.device.type == "cuda" and quantization != "fp8"
                                                             and not triton_available()):
                 raise ValueError(f"quantization {quantization!r} needs a CPU, or a GPU with Triton")
-            quantize_model(self.model, quantization, quantization_group_size)
+            quantize_model(self.model, quantization, args.quantization_group_size)
         self.quantization, self.kv_cache_dtype = quantization, kv_cache_dtype
         local = self.parallel.local_config(self.config, 0)  # rank 0's stage has the most layers
+        num_kv_blocks = args.num_kv_blocks
         if num_kv_blocks is None:
             num_kv_blocks = blocks_for_budget(local, block_size, self.dtype, self._kv_budget(), kv_cache_dtype)
         self.kv_cache = KVCache.allocate(local, num_kv_blocks, block_size, self.dtype, self.device, kv_cache_dtype)
         if self.executor is not None:
             self.executor.start(self.kv_cache, num_kv_blocks, block_size, kv_cache_dtype)
-        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.block_manager = BlockManager(num_kv_blocks, block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.executor)
         self.max_model_len = min(self.config.max_position_embeddings, num_kv_blocks * block_size)
         self.eos_token_ids = set(self.config.eos_token_ids)
@@ -166,14 +165,20 @@ class LLMEngine:
             raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         return None, list(prompt)
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation (list of {"role", "content"} dicts) ready for the assistant's reply."""
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of a conversation (list of {"role", "content"} dicts) ready for the assistant's reply, or
+        with its last message left open to be continued; `chat_template_kwargs` are extra template variables."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= m.keys()
                                                       for m in messages):
             raise ValueError('messages must be a list of {"role": ..., "content": ...} dicts')
+        extra = chat_template_kwargs or {}
+        if reserved := sorted(extra.keys() & inspect.signature(self.tokenizer.apply_chat_template).parameters.keys()):
+            raise ValueError(f"chat_template_kwargs may only add template variables, not set {reserved}")
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                     tokenize=True)
+                                                     continue_final_message=continue_final_message, tokenize=True,
+                                                     **extra)
         except Exception as e:  # the template itself may refuse a conversation (jinja2's TemplateError)
             raise ValueError(f"the chat template cannot format these messages: {e}") from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
@@ -217,15 +222,22 @@ class LLMEngine:
     def _sequences_for(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
                        metrics: RequestMetrics) -> list[Sequence]:
         """One sequence per completion. The n > 1 siblings draw from seeds seed + i, and share the prompt's
-        blocks through the prefix cache (the first computes the prompt and its log-probs; the rest wait)."""
+        blocks through the prefix cache (the first computes the prompt and its log-probs; the rest wait).
+        Each knows the tokens that end it (EOS unless ignore_eos, and stop_token_ids, checked here)."""
+        bad = [t for t in params.stop_token_ids if t >= self.config.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids has token ids outside the vocabulary [0, {self.config.vocab_size}): "
+                             f"{bad[:5]}")
+        stop_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else self.eos_token_ids)
         if params.n == 1:
-            return [Sequence(request_id, text, token_ids, params, metrics)]
+            return [Sequence(request_id, text, token_ids, params, metrics, stop_token_ids=stop_ids)]
         seqs: list[Sequence] = []
         for i in range(params.n):
             child = replace(params, n=1, seed=None if params.seed is None else (params.seed + i) % 2 ** 64,
                             prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             leader = seqs[0] if seqs and self.block_manager.enable_prefix_caching else None
-            seqs.append(Sequence(f"{i}_{request_id}", text, token_ids, child, metrics, index=i, leader=leader))
+            seqs.append(Sequence(f"{i}_{request_id}", text, token_ids, child, metrics, index=i, leader=leader,
+                                 stop_token_ids=stop_ids))
         return seqs
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence as Seq
 from dataclasses import replace
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from .beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from .engine import LLMEngine
+from .engine_args import EngineArgs
 from .outputs import RequestOutput
 from .sampling import RequestOutputKind, SamplingParams
 
@@ -16,17 +18,9 @@ from .sampling import RequestOutputKind, SamplingParams
 class LLM:
     """Load a model once, then generate for many prompts; every request runs through `LLMEngine.step`."""
 
-    def __init__(self, model=None, device=None, dtype=None, load_format: str = "auto", block_size: int = 16,
-                 num_kv_blocks: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True, *, quantization: str | None = None,
-                 quantization_group_size: int = 64, kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
-                 pipeline_parallel_size: int = 1, enable_expert_parallel: bool = False):
-        self.engine = LLMEngine(model, device, dtype, load_format, block_size, num_kv_blocks, max_num_seqs,
-                                max_num_batched_tokens, enable_prefix_caching, quantization=quantization,
-                                quantization_group_size=quantization_group_size, kv_cache_dtype=kv_cache_dtype,
-                                tensor_parallel_size=tensor_parallel_size,
-                                pipeline_parallel_size=pipeline_parallel_size,
-                                enable_expert_parallel=enable_expert_parallel)
+    def __init__(self, model: str | Path | EngineArgs | None = None, **kwargs):
+        """`LLM()` for the default model, `LLM(path, quantization="int4", ...)`: any `EngineArgs` field."""
+        self.engine = LLMEngine(model, **kwargs)
         self._pending: dict[str, list[RequestOutput]] = {}  # outputs stepped out for another reader
         self._abandoned: set[str] = set()  # aborted by a reader that left; their last output is dropped
 

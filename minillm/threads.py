@@ -36,9 +36,9 @@ def num_threads() -> int:
     return int(value)
 
 
-def configure_threads() -> int:
-    """Give PyTorch's CPU operations `num_threads()` threads (the engine does this when it is built)."""
-    n = num_threads()
+def configure_threads(n: int | None = None) -> int:
+    """Give PyTorch's CPU operations `n` threads, by default `num_threads()` (the engine does this when built)."""
+    n = num_threads() if n is None else n
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n

@@ -23,7 +23,7 @@ class MultiprocExecutor:
     """Ranks 1 .. N-1 as processes of their own; rank 0 in this one. `model` is rank 0's part of the model."""
 
     def __init__(self, path, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype,
-                 device: torch.device, load_format: str = "auto"):
+                 device: torch.device, load_format: str = "auto", total_threads: int | None = None):
         from ..model import load_model
 
         if device.type == "cuda" and torch.cuda.device_count() < parallel.world_size:
@@ -34,7 +34,7 @@ class MultiprocExecutor:
         self.num_micro_batches = parallel.pipeline_parallel_size  # one per stage keeps every stage busy
         spawn = mp.get_context("spawn")
         self._errors, port = spawn.SimpleQueue(), free_port()
-        threads = max(1, num_threads() // parallel.world_size)
+        threads = max(1, (total_threads or num_threads()) // parallel.world_size)  # the ranks share the cores
         self._procs = [spawn.Process(target=worker_main, daemon=True,
                                      args=(rank, os.getpid(), path, config, parallel, dtype, device.type, load_format,
                                            port, threads, self._errors))

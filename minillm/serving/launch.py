@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import socket
 import sys
 import threading
@@ -18,12 +17,10 @@ import time
 
 import uvicorn
 
-from .. import threads
+from ..engine_args import EngineArgs
+from ..weights import DEFAULT_MODEL
 from .api_server import build_app
 from .async_llm import AsyncLLM
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket (port 0: a free one), so clients can connect as soon as its address is known."""
@@ -108,24 +105,15 @@ class ServerThread:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="local Hugging Face directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--served-model-name", default=None, help="the name clients use (default: the model's)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="sequences allowed to wait; beyond this a request gets 429 with Retry-After")
     parser.add_argument("--drain-seconds", type=float, default=5.0,
                         help="on SIGINT/SIGTERM, how long requests in flight may run before they are aborted")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="PyTorch intra-op threads (default: $MINILLM_NUM_THREADS, else all cores but one)")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    EngineArgs.add_cli_args(parser)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -134,14 +122,9 @@ def serve(args: argparse.Namespace) -> int:
 
     from ..engine import LLMEngine
 
-    if args.threads is not None:
-        os.environ[threads.ENV] = str(args.threads)  # the engine sets it when built
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(args.model, args.device, args.dtype, block_size=args.block_size,
-                       num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens,
-                       enable_prefix_caching=not args.no_prefix_caching)
-    name = args.served_model_name or (engine.path.name if args.model else DEFAULT_MODEL_NAME)
+    engine = LLMEngine(EngineArgs.from_cli_args(args))
+    name = args.served_model_name or (engine.path.name if args.model else DEFAULT_MODEL)
     llm = AsyncLLM(engine, max_waiting_requests=args.max_waiting_requests)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]

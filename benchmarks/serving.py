@@ -40,10 +40,11 @@ TTFT_TARGET_MS = 15
 class ServerProcess:
     """`python -m minillm serve` on 127.0.0.1 and a free port, stopped (SIGTERM, then kill) on exit."""
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, *args: str, cwd: str | None = None):
+        """`args` are more `serve` flags; `cwd` runs the `minillm` found there (another checkout) instead."""
         self.proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--port", "0", "--threads",
-                                      str(threads), "--drain-seconds", "0"], stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                      str(threads), "--drain-seconds", "0", *args], stdout=subprocess.PIPE, text=True,
+                                     cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout], daemon=True).start()
         line = lines.get(timeout=300)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from .metrics import SLO_KEYS, RequestMetrics, gamma_arrivals, summarize
+from .perplexity import eval_text
 
 if TYPE_CHECKING:  # only for type hints: the HTTP client needs neither the engine nor PyTorch
     from .engine import LLMEngine
@@ -25,7 +26,6 @@ if TYPE_CHECKING:  # only for type hints: the HTTP client needs neither the engi
     from .sampling import SamplingParams
 
 DESCRIPTION = "Benchmark an OpenAI-compatible server as `vllm bench serve` does."
-ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = {"chat": ((16, 128), (64, 256)), "rag": ((256, 1024), (16, 64))}
 Prompt = str | list[int] | list[dict]  # text, token ids, or OpenAI chat messages
 STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}  # the second is vLLM's: usage in every chunk
@@ -34,9 +34,9 @@ STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}  # the 
 # --- workloads: (prompt, max_tokens) pairs ------------------------------------------------------------------
 
 def corpus_ids(tokenizer) -> list[int]:
-    """Token ids of real English prose: the book's own pages and README."""
-    text = "\n\n".join(p.read_text() for p in sorted((ROOT / "book").glob("*.md")) + [ROOT / "README.md"])
-    return tokenizer(text, verbose=False).input_ids
+    """Token ids of the text shipped inside the package (`minillm.perplexity.eval_text`: prose on several topics,
+    then some code), so a seeded workload is the same wherever minillm is installed."""
+    return tokenizer(eval_text(), verbose=False).input_ids
 
 
 def make_workload(name: str, n: int, tokenizer, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -386,7 +386,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="OpenAI-compatible API root")
     parser.add_argument("--model", default=None, help="model name to request (default: the first at GET /v1/models)")
     parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    parser.add_argument("--dataset", default="chat", help="chat, rag (prose of this repository) or a PATH.jsonl")
+    parser.add_argument("--dataset", default="chat",
+                        help="chat, rag (cut from the text shipped with minillm) or a PATH.jsonl")
     parser.add_argument("--num-prompts", type=int, default=None, help="requests to send (default: 100, or every line)")
     parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens for JSONL lines that give none")
     parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")

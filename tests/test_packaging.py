@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import zipfile
 from pathlib import Path
@@ -109,15 +108,15 @@ def build_wheel(tmp: Path) -> Path:
 
 
 def fresh_venv(venv: Path, wheel: Path) -> Path:
-    """A new environment from the base interpreter with `wheel` installed, and this environment's site-packages
-    named in a .pth file: the dependencies import from there, while the .pth files inside it (among them the
-    editable install of minillm) are not processed. The new environment's python."""
+    """A new environment from the base interpreter with `wheel` installed, and this process's site-packages (the
+    user's and the system's too) named in a .pth file: the dependencies import from there, while the .pth files
+    inside them (among them the editable install of minillm) are not processed. The new environment's python."""
     _run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", venv])
     python = venv / "bin" / "python"
     _run([python, "-m", "pip", "install", "--no-deps", "--no-index", "--disable-pip-version-check", "-q", wheel])
     site = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
-    deps = dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
-    (Path(site) / "dependencies.pth").write_text("".join(f"{d}\n" for d in deps))
+    deps = [path for path in sys.path if Path(path).name in ("site-packages", "dist-packages")]
+    (Path(site) / "dependencies.pth").write_text("".join(f"{path}\n" for path in deps))
     return python
 
 

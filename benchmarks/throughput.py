@@ -1,6 +1,6 @@
 """Offline throughput: minillm's continuous batching against Hugging Face `generate`, in one run.
 
-Two seeded workloads of real text (this repository's own prose), every request running to its own
+Two seeded workloads of real text (the text shipped with minillm), every request running to its own
 `max_tokens` (ignore_eos):
   chat  prompts 16-128 tokens, answers 64-256 tokens
   rag   prompts 256-1024 tokens, answers 16-64 tokens

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -275,19 +276,20 @@ async def _stream(client, endpoint: str, model: str, prompt: Prompt, max_tokens:
                           token_times=times, finished_time=finished, output_tokens=len(times))
 
 
-def _client(base_url: str, timeout: float, connections: int):
+def _client(base_url: str, timeout: float, connections: int, api_key: str | None = None):
     """An AsyncOpenAI client with no retries and enough connections that the pool never queues a request."""
     import httpx
     from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     pool = DefaultAsyncHttpxClient(limits=limits)
-    return AsyncOpenAI(base_url=base_url, api_key="minillm", max_retries=0, timeout=timeout, http_client=pool)
+    return AsyncOpenAI(base_url=base_url, api_key=api_key or "minillm", max_retries=0, timeout=timeout,
+                       http_client=pool)
 
 
-async def first_model(base_url: str, timeout: float = 30.0) -> str:
+async def first_model(base_url: str, timeout: float = 30.0, api_key: str | None = None) -> str:
     """The first model id the server lists at GET /v1/models."""
-    async with _client(base_url, timeout, 1) as client:
+    async with _client(base_url, timeout, 1, api_key) as client:
         models = (await client.models.list()).data
     if not models:
         raise ValueError(f"{base_url}/models lists no model; pass one")
@@ -296,7 +298,8 @@ async def first_model(base_url: str, timeout: float = 30.0) -> str:
 
 async def run_http(base_url: str, model: str, work: Sequence[tuple[Prompt, int]], arrivals: Sequence[float], *,
                    endpoint: str = "completions", max_concurrency: int | None = None, temperature: float = 0.0,
-                   ignore_eos: bool = False, timeout: float = 600.0, progress: bool = False) -> BenchRun:
+                   ignore_eos: bool = False, timeout: float = 600.0, progress: bool = False,
+                   api_key: str | None = None) -> BenchRun:
     """Send each (prompt, max_tokens) at its arrival time (s after the start), at most `max_concurrency` in flight.
 
     A request's arrival is its scheduled time, or the moment a concurrency slot freed if it had to wait for one
@@ -327,7 +330,7 @@ async def run_http(base_url: str, model: str, work: Sequence[tuple[Prompt, int]]
             bar.update()
 
     with tqdm(total=len(work), desc="requests", disable=not progress) as bar:
-        async with _client(base_url, timeout, max_concurrency or len(work)) as client:
+        async with _client(base_url, timeout, max_concurrency or len(work), api_key) as client:
             start = time.perf_counter()
             await asyncio.gather(*(one(i, client, bar) for i in range(len(work))))
             duration = time.perf_counter() - start
@@ -384,7 +387,8 @@ def _percentiles(text: str) -> tuple[float, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `python -m minillm bench` (vLLM `bench serve`'s names)."""
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="OpenAI-compatible API root")
-    parser.add_argument("--model", default=None, help="model name to request (default: the first at GET /v1/models)")
+    parser.add_argument("--model", default=None, help="model name to request (default: the first at GET /v1/models); "
+                        "with --offline, the local model directory")
     parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     parser.add_argument("--dataset", default="chat",
                         help="chat, rag (cut from the text shipped with minillm) or a PATH.jsonl")
@@ -404,6 +408,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds without a byte before a request fails")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--tokenizer", default=None, help="local HF directory (default: the default model's)")
+    parser.add_argument("--api-key", default=os.environ.get("MINILLM_API_KEY"),
+                        help="sent as `Authorization: Bearer` (default: $MINILLM_API_KEY)")
+    parser.add_argument("--offline", action="store_true",
+                        help="no server: replay the workload into an engine in this process, built from the engine "
+                             "flags below (as `vllm bench throughput` does)")
+    from .engine_args import EngineArgs  # here, so a client that only imports this module never loads PyTorch
+
+    EngineArgs.add_cli_args(parser, skip=("model",))
 
 
 def _tokenizer(path: str | None):
@@ -433,15 +445,48 @@ def _workload(args: argparse.Namespace) -> list[tuple[Prompt, int]]:
     return for_endpoint(work, args.endpoint, _tokenizer(args.tokenizer) if args.endpoint == "chat" and ids else None)
 
 
+def run_offline(args: argparse.Namespace, work: Sequence[tuple[Prompt, int]], arrivals: Sequence[float]) -> BenchRun:
+    """The same workload replayed into an engine in this process, built from the engine flags (`EngineArgs`):
+    open loop at the arrival times, or closed loop with `--max-concurrency`. Timed by the engine's own records."""
+    from .engine import LLMEngine
+    from .engine_args import EngineArgs
+    from .sampling import SamplingParams
+
+    engine = LLMEngine(EngineArgs.from_cli_args(args))
+    try:
+        prompts = [engine.apply_chat_template(p) if p and isinstance(p[0], dict) else p for p, _ in work]
+        params = [SamplingParams(temperature=args.temperature, max_tokens=m, ignore_eos=args.ignore_eos,
+                                 seed=args.seed if args.temperature else None) for _, m in work]
+        start = time.perf_counter()
+        if args.max_concurrency is not None:
+            outs = run_closed_loop(engine, prompts, params, args.max_concurrency)
+        else:
+            outs = replay(engine, prompts, params, arrivals)
+        return BenchRun([o.metrics for o in outs], [], time.perf_counter() - start)
+    finally:
+        engine.shutdown()
+
+
 def benchmark(args: argparse.Namespace) -> int:
     """Run the benchmark the parsed options describe, print its table, save it if asked; 0 when any succeeded."""
     slo = parse_goodput(args.goodput or [])
+    if args.offline:
+        if args.max_concurrency is not None and math.isfinite(args.request_rate):
+            raise ValueError("--offline takes --request-rate or --max-concurrency, not both")
+        args.tokenizer = args.tokenizer or args.model  # the engine's own model
     work = _workload(args)
     arrivals = gamma_arrivals(args.request_rate, len(work), args.burstiness, args.seed)
-    model = args.model or asyncio.run(first_model(args.base_url))
-    run = asyncio.run(run_http(args.base_url, model, work, arrivals, endpoint=args.endpoint,
-                               max_concurrency=args.max_concurrency, temperature=args.temperature,
-                               ignore_eos=args.ignore_eos, timeout=args.timeout, progress=not args.no_progress))
+    if args.offline:
+        from .weights import DEFAULT_MODEL
+
+        model = str(args.model or DEFAULT_MODEL)
+        run = run_offline(args, work, arrivals)
+    else:
+        model = args.model or asyncio.run(first_model(args.base_url, api_key=args.api_key))
+        run = asyncio.run(run_http(args.base_url, model, work, arrivals, endpoint=args.endpoint,
+                                   max_concurrency=args.max_concurrency, temperature=args.temperature,
+                                   ignore_eos=args.ignore_eos, timeout=args.timeout, progress=not args.no_progress,
+                                   api_key=args.api_key))
     for error in run.errors[:5]:
         print(error, file=sys.stderr)
     if not run.records:
@@ -453,7 +498,7 @@ def benchmark(args: argparse.Namespace) -> int:
         now = datetime.now()
         name = args.save_result or f"minillm-bench-{args.endpoint}-{args.request_rate:g}qps-{now:%Y%m%d-%H%M%S}.json"
         path = Path(args.result_dir) / name
-        skip = ("goodput", "save_result", "result_dir", "no_progress")  # goodput is the summary's, its SLO below
+        skip = ("goodput", "save_result", "result_dir", "no_progress", "api_key")  # goodput is the summary's, its SLO below
         settings = {k: v for k, v in vars(args).items() if k not in skip}
         result = {"date": now.isoformat(timespec="seconds"), **settings, "model": model, "goodput_slo": slo,
                   "failed": len(run.errors), "errors": run.errors, **summary}

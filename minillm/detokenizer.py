@@ -14,15 +14,16 @@ REPLACEMENT = "\ufffd"  # what a tokenizer's decode gives for an unfinished UTF-
 
 
 def detokenize_incrementally(tokenizer, token_ids: list[int], prefix_offset: int, read_offset: int,
-                             final: bool = False) -> tuple[str, int, int]:
+                             final: bool = False, skip_special_tokens: bool = True) -> tuple[str, int, int]:
     """Text of `token_ids[read_offset:]` and the new (prefix_offset, read_offset).
 
     With `final`, an unfinished character is emitted as U+FFFD (as a full decode would) rather than held back.
+    Special tokens (EOS, chat markers) have no text unless `skip_special_tokens` is False.
     """
     if read_offset >= len(token_ids):
         return "", prefix_offset, read_offset
-    old = tokenizer.decode(token_ids[prefix_offset:read_offset], skip_special_tokens=True)
-    new = tokenizer.decode(token_ids[prefix_offset:], skip_special_tokens=True)
+    old = tokenizer.decode(token_ids[prefix_offset:read_offset], skip_special_tokens=skip_special_tokens)
+    new = tokenizer.decode(token_ids[prefix_offset:], skip_special_tokens=skip_special_tokens)
     if not final and (len(new) < len(old) or new.endswith(REPLACEMENT)):
         return "", prefix_offset, read_offset  # a character still incomplete: wait for its last byte
     if len(new) == len(old):  # only skipped special tokens: keep the window's text tokens as context

@@ -13,7 +13,7 @@ from .layers import dispatch_mode_active
 from .model import CausalLM
 from .parallel.executor import MultiprocExecutor
 from .parallel.pipeline import MicroBatch, StepPlan
-from .sampling import TokenLogprobs, logprobs_of, sample
+from .sampling import TokenLogprobs, apply_penalties, logprobs_of, sample
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 
@@ -115,8 +115,9 @@ class ModelRunner:
                 row += 1
         sampled = [s for s, d in zip(seqs, done) if d]
         sample_logits = logits if len(sample_rows) == len(logits) else logits[sample_rows]
-        tokens = sample(sample_logits, [s.params for s in sampled], [s.generator for s in sampled]) if sampled else []
-        token_logprobs = self._token_logprobs(sample_logits, sampled, tokens)
+        tokens = sample(apply_penalties(sample_logits, sampled), [s.params for s in sampled],
+                        [s.generator for s in sampled]) if sampled else []
+        token_logprobs = self._token_logprobs(sample_logits, sampled, tokens)  # the model's own distribution
         results, row, it = [], 0, iter(zip(tokens, token_logprobs))
         for s, d, pos in zip(seqs, done, scored):
             prompt_lps = []

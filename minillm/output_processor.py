@@ -1,9 +1,9 @@
 """From new tokens to what a caller sees: incremental text, stop rules, log-probs and RequestOutputs.
 
-The engine step computes tokens; this module decides when a completion is done (EOS, a stop string,
-max_tokens, the end of the context) and what each output carries: everything so far, only what is new
-(for streaming), or one output at the end (vLLM's `RequestOutputKind`). It plays the part of the
-OutputProcessor in vLLM's frontend. A request with n > 1 has one completion per sequence and one
+The engine step computes tokens; this module decides when a completion is done (EOS, a stop token or
+stop string, max_tokens, the end of the context) and what each output carries: everything so far, only
+what is new (for streaming), or one output at the end (vLLM's `RequestOutputKind`). It plays the part of
+the OutputProcessor in vLLM's frontend. A request with n > 1 has one completion per sequence and one
 output that gathers them.
 """
 
@@ -16,7 +16,7 @@ from .metrics import RequestMetrics
 from .outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from .sampling import RequestOutputKind, SamplingParams, TokenLogprobs
 from .sequence import Sequence
-from .stop_strings import StopStringFilter
+from .stop_strings import StopAutomaton, StopStringFilter
 
 
 @dataclass(eq=False)
@@ -31,6 +31,7 @@ class CompletionState:
     read_offset: int = 0
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     sent_tokens: int = 0  # tokens, log-prob entries and characters already given out (DELTA outputs)
     sent_text: int = 0
     sent_finish: bool = False
@@ -67,10 +68,13 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, metrics: RequestMetrics, seqs: list[Sequence]) -> RequestState:
+        """Track a new request's completions; its stop strings are compiled here, on the caller's thread, into
+        one automaton its n completions share."""
         state = RequestState(request_id, prompt, prompt_token_ids, params, metrics,
                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        stops = StopAutomaton(params.stop)
         for seq in seqs:
-            completion = CompletionState(seq, state, StopStringFilter(params.stop))
+            completion = CompletionState(seq, state, StopStringFilter(stops))
             if params.logprobs is not None:
                 completion.logprobs, completion.cumulative_logprob = [], 0.0
             seq.completion = completion
@@ -96,7 +100,11 @@ class OutputProcessor:
         seq.completion.request.prompt_logprobs += [self.position(lp) for lp in scored]
 
     def on_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> str | None:
-        """Take the sequence's newest token: extend its text and say why it is done ("stop", "length"), or None."""
+        """Take the sequence's newest token: extend its text and say why it is done ("stop", "length"), or None.
+
+        As in vLLM, the text of a token that stops the completion (EOS, stop_token_ids) is left out unless
+        include_stop_str_in_output, and stop strings count only from the token after the first min_tokens.
+        """
         c, params = seq.completion, seq.params
         if logprobs is not None:
             c.logprobs.append(self.position(logprobs))
@@ -104,13 +112,22 @@ class OutputProcessor:
         reason = None
         if token in self.eos_token_ids and not params.ignore_eos:
             reason = "stop"
+        elif token in seq.stop_token_ids:  # one of params.stop_token_ids (EOS was the case above)
+            reason, c.stop_reason = "stop", token
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
+        shown = seq.output_token_ids
+        if reason == "stop" and not params.include_stop_str_in_output:
+            shown = shown[:-1]
         # at the end, a character cut off mid-way is shown (U+FFFD), as a full decode would show it
         delta, c.prefix_offset, c.read_offset = detokenize_incrementally(
-            self.tokenizer, seq.output_token_ids, c.prefix_offset, c.read_offset, final=reason is not None)
-        c.text += c.stop.push(delta)
-        if c.stop.matched is not None:
+            self.tokenizer, shown, c.prefix_offset, c.read_offset, final=reason is not None,
+            skip_special_tokens=params.skip_special_tokens)
+        c.text += c.stop.push(delta, match=len(seq.output_token_ids) > params.min_tokens)
+        if c.stop.matched is not None:  # a stop string came before any stop token
+            c.stop_reason = c.stop.matched
+            if params.include_stop_str_in_output:
+                c.text += c.stop.matched
             return "stop"
         if reason is not None:
             c.text += c.stop.flush()
@@ -136,8 +153,7 @@ class OutputProcessor:
 
     @staticmethod
     def _completion(c: CompletionState, delta: bool) -> CompletionOutput | None:
-        seq = c.seq
-        stop_reason = seq.completion.stop.matched
+        seq, stop_reason = c.seq, c.stop_reason
         if not delta:
             return CompletionOutput(seq.index, c.text, list(seq.output_token_ids), seq.finish_reason, stop_reason,
                                     c.cumulative_logprob, None if c.logprobs is None else list(c.logprobs))

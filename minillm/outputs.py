@@ -23,16 +23,16 @@ class Logprob:
 class CompletionOutput:
     """One generated continuation: its text, tokens and why it stopped.
 
-    `finish_reason` is "stop" (EOS or a stop string, which `stop_reason` then holds), "length", "abort",
-    or None while running. With `RequestOutputKind.DELTA` the text, tokens and log-probs are only the
-    new ones since the previous output.
+    `finish_reason` is "stop" (EOS, or a stop string or stop token id, which `stop_reason` then holds),
+    "length", "abort", or None while running. With `RequestOutputKind.DELTA` the text, tokens and log-probs
+    are only the new ones since the previous output.
     """
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
 

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .sequence import Sequence
 
 MAX_N = 128  # completions per request, OpenAI's bound
 MAX_LOGPROBS = 20  # top alternatives per position, OpenAI's bound for top_logprobs (and vLLM's default)
@@ -51,6 +56,14 @@ class SamplingParams:
     logprobs: int | None = None  # log-probs of each chosen token and of this many top alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token (after the first)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    stop_token_ids: list[int] | None = None  # sampling one of these ends the completion (stop_reason: the id)
+    min_tokens: int = 0  # no EOS, stop token or stop string before this many output tokens
+    min_p: float = 0.0  # drop tokens less likely than min_p x the top token (after temperature)
+    repetition_penalty: float = 1.0  # tokens already in the prompt or output: logit / p if positive, x p if not
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already in the output
+    frequency_penalty: float = 0.0  # subtracted once per earlier occurrence in the output
+    include_stop_str_in_output: bool = False  # keep the matched stop string (or stop token's text) in the text
+    skip_special_tokens: bool = True  # leave special tokens' text out of the output text
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -73,14 +86,37 @@ class SamplingParams:
                 _check_int(name, getattr(self, name), 0, MAX_LOGPROBS, what=" or None")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                         for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0) or None, "
+                             f"got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(ids)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens, what=" (at most max_tokens)")
+        _check_float("min_p", self.min_p, lambda p: 0 <= p <= 1, "in [0, 1]")
+        _check_float("repetition_penalty", self.repetition_penalty, lambda p: p > 0, "> 0 (1 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_float(name, getattr(self, name), lambda p: -2 <= p <= 2, "in [-2, 2]")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether a repetition, presence or frequency penalty is on (each changes even a greedy choice)."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set to -inf every logit outside the top-k and outside the smallest set whose probability reaches top-p."""
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Set to -inf every logit of a token less likely than min_p x the top token, outside the top-k, or outside
+    the smallest set whose probability reaches top-p (in that order, as vLLM)."""
+    if min_p > 0:  # p < min_p * p_top  <=>  logit < top logit + log(min_p): the softmax's normaliser cancels
+        floor = logits.amax(-1, keepdim=True) + math.log(min_p)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -94,11 +130,50 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """`[rows, vocab]` counts of each token id in each list: one bincount over all of them."""
+    ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long, device=device)
+    lengths = torch.tensor([len(t) for t in token_lists], device=device)
+    rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
+    return torch.bincount(rows * vocab + ids, minlength=len(token_lists) * vocab).view(len(token_lists), vocab)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """The rules that change even a greedy choice, applied to `logits [seqs, vocab]` before temperature (vLLM's
+    order): before `min_tokens` a sequence's stop tokens (EOS, stop_token_ids) are set to -inf; then the
+    repetition penalty (over prompt and output tokens), frequency and presence penalties (over output tokens).
+
+    Returns `logits` itself when no sequence asks for any of them, else a float32 copy.
+    """
+    early = [i for i, s in enumerate(seqs) if len(s.output_token_ids) < s.params.min_tokens and s.stop_token_ids]
+    rows = [i for i, s in enumerate(seqs) if s.params.penalized]
+    if not early and not rows:
+        return logits
+    logits = logits.to(torch.float32, copy=True)
+    if early:
+        banned = [(i, t) for i in early for t in seqs[i].stop_token_ids]
+        logits[[i for i, _ in banned], [t for _, t in banned]] = float("-inf")
+    if rows:
+        penalized = [seqs[i] for i in rows]
+        vocab, device = logits.shape[-1], logits.device
+        part = logits[rows]
+        output = _token_counts([s.output_token_ids for s in penalized], vocab, device)
+        seen = output > 0
+        if any(s.params.repetition_penalty != 1 for s in penalized):
+            repetition = torch.tensor([s.params.repetition_penalty for s in penalized], device=device)[:, None]
+            seen_anywhere = seen | (_token_counts([s.prompt_token_ids for s in penalized], vocab, device) > 0)
+            part = torch.where(seen_anywhere, torch.where(part > 0, part / repetition, part * repetition), part)
+        frequency, presence = (torch.tensor([getattr(s.params, name) for s in penalized], device=device)[:, None]
+                               for name in ("frequency_penalty", "presence_penalty"))
+        logits[rows] = part - frequency * output - presence * seen
+    return logits
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of `logits [seqs, vocab]`: argmax when greedy, else a draw from the filtered softmax.
 
     Each sequence draws from its own generator, so a seeded request samples the same text whatever it is
-    batched with.
+    batched with. Penalties, when asked for, are already in `logits` (`apply_penalties`).
     """
     tokens = logits.argmax(dim=-1).tolist()
     for i, (p, gen) in enumerate(zip(params, generators)):
@@ -107,7 +182,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         row = logits[i].double()
         # shifted so the largest is 0, and divided in float64: a tiny temperature then sends the others to
         # -inf, rather than the largest to +inf or the temperature to float32's 0 (either makes a NaN)
-        row = filter_logits(((row - row.max()) / p.temperature).float(), p.top_k, p.top_p)
+        row = filter_logits(((row - row.max()) / p.temperature).float(), p.top_k, p.top_p, p.min_p)
         probs = row.softmax(-1)
         tokens[i] = int(torch.multinomial(probs.cpu(), 1, generator=gen))
     return tokens

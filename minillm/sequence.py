@@ -40,6 +40,8 @@ class Sequence:
     leader: Sequence | None = None  # for a sibling of an n > 1 request: the sibling that computes the prompt
     num_prompt_logprobs: int = 0  # prompt positions whose log-probs are recorded (asked for by prompt_logprobs)
     generator: torch.Generator | None = None
+    # the tokens that end it: EOS unless ignore_eos, and params.stop_token_ids (min_tokens keeps them out)
+    stop_token_ids: frozenset[int] = frozenset()
     completion: CompletionState | None = None  # its text and log-probs as the caller sees them
 
     def __post_init__(self) -> None:

@@ -13,10 +13,31 @@ from minillm.engine import LLMEngine
 from minillm.serving import AsyncLLM, ServerThread, build_app
 
 
-def start_server(model, name: str = "test-model", max_waiting_requests: int | None = 256, **engine_kw) -> ServerThread:
-    """A started ServerThread over a fresh engine (CPU, float32); stop it with `.stop()` or a with-block."""
-    engine = LLMEngine(model, device="cpu", dtype=torch.float32, **engine_kw)
-    return ServerThread(build_app(AsyncLLM(engine, max_waiting_requests=max_waiting_requests), name)).start()
+def start_server(model, name: str = "test-model", max_waiting_requests: int | None = 256, app_kw: dict | None = None,
+                 **engine_kw) -> ServerThread:
+    """A started ServerThread over a fresh engine (CPU, float32); stop it with `.stop()` or a with-block.
+    `app_kw` goes to `build_app` (limits, api_key, allowed_origins)."""
+    return serve_engine(tiny_engine(model, **engine_kw), name, max_waiting_requests, **(app_kw or {}))
+
+
+def tiny_engine(model, **engine_kw) -> LLMEngine:
+    return LLMEngine(model, device="cpu", dtype=torch.float32, **engine_kw)
+
+
+def serve_engine(engine: LLMEngine, name: str = "test-model", max_waiting_requests: int | None = 256,
+                 **app_kw) -> ServerThread:
+    """A started ServerThread over an engine a test has prepared (a slowed step, a tokenizer double)."""
+    return ServerThread(build_app(AsyncLLM(engine, max_waiting_requests=max_waiting_requests), name, **app_kw)).start()
+
+
+def slow_steps(engine: LLMEngine, seconds: float) -> None:
+    """Make every engine step take `seconds` longer, so a request is still running when a test acts on it."""
+    step = engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+    engine.step = slow_step
 
 
 def sse_events(response: httpx.Response) -> list[str]:

@@ -140,7 +140,7 @@ BAD = [
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": PROMPT, "model": "gpt-4"}, 404, "model"),
-    ({"prompt": PROMPT, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": PROMPT, "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"prompt": PROMPT, "suffix": "x"}, 400, "suffix"),
     ({"prompt": PROMPT, "stream_options": {"include_usage": "yes"}}, 400, "stream_options.include_usage"),
     ({"max_tokens": 3}, 400, "prompt"),

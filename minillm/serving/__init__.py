@@ -3,6 +3,7 @@
 from .api_server import build_app
 from .async_llm import AsyncLLM, EngineOverloaded, EngineUnavailable, RequestStream
 from .launch import ServerThread, serve
+from .limits import ServerLimits
 
-__all__ = ["AsyncLLM", "EngineOverloaded", "EngineUnavailable", "RequestStream", "ServerThread", "build_app",
-           "serve"]
+__all__ = ["AsyncLLM", "EngineOverloaded", "EngineUnavailable", "RequestStream", "ServerLimits", "ServerThread",
+           "build_app", "serve"]

@@ -20,20 +20,20 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from .async_llm import AsyncLLM, EngineOverloaded, EngineUnavailable
-from .completions import Served, Stream, chat_completion, close_all, completion
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest
+from .chat import chat_completion, template_error
+from .completions import completion
+from .limits import ServerLimits
+from .middleware import BodyLimit, error_response
 from .prometheus import ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest
+from .serving_engine import Served, Stream, close_all
 
 MAX_BODY_BYTES = 4 << 20  # a request body above this is refused (413) before it is read whole
 log = logging.getLogger("minillm.serving")
 
-
-def error_response(e: OpenAIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
@@ -63,43 +63,13 @@ def _field_path(loc) -> str:
     return ".".join(parts)
 
 
-_SHAPES = {"str", "int", "float", "bool", "list", "dict", "none", "Message", "TextPart", "StreamOptions"}
+_SHAPES = {"str", "int", "float", "bool", "list", "dict", "none", "Message", "StreamOptions"}
 
 
-class BodyLimit:
-    """ASGI middleware: refuse bodies over `max_bytes` (413), by their Content-Length or while they arrive."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = Headers(scope=scope).get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            return await self._refuse(scope, receive, send)
-        received = 0
-
-        async def limited_receive():
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                raise HTTPException(413)
-            return message
-
-        await self.app(scope, limited_receive, send)
-
-    async def _refuse(self, scope, receive, send):
-        error = OpenAIError(f"the request body is larger than {self.max_bytes} bytes", status=413,
-                            code="request_too_large")
-        await error_response(error)(scope, receive, send)
-
-
-def build_app(llm: AsyncLLM, model_name: str, max_body_bytes: int = MAX_BODY_BYTES,
-              on_started: Callable[[], None] | None = None) -> FastAPI:
+def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES, on_started: Callable[[], None] | None = None) -> FastAPI:
     """The app; its lifespan starts the engine loop (then calls `on_started`) and stops it at shutdown."""
-    served = Served(llm, model_name)
+    served = Served(llm, model_name, limits or ServerLimits())
     metrics = ServerMetrics(llm, model_name)
     created = int(time.time())
 
@@ -110,6 +80,7 @@ def build_app(llm: AsyncLLM, model_name: str, max_body_bytes: int = MAX_BODY_BYT
             on_started()
         yield
         await llm.stop()
+        served.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="minillm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
@@ -132,11 +103,13 @@ def build_app(llm: AsyncLLM, model_name: str, max_body_bytes: int = MAX_BODY_BYT
 
     @app.exception_handler(EngineOverloaded)
     async def _overloaded(request: Request, e: EngineOverloaded):
+        metrics.rejected.labels(**metrics.labels, reason="overloaded").inc()
         return error_response(OpenAIError(str(e), status=429, type="rate_limit_error", code="server_overloaded",
                                           headers={"Retry-After": "1"}))
 
     @app.exception_handler(EngineUnavailable)
     async def _unavailable(request: Request, e: EngineUnavailable):
+        metrics.rejected.labels(**metrics.labels, reason="unavailable").inc()
         return error_response(OpenAIError(str(e), status=503, type="service_unavailable", code="unavailable"))
 
     @app.exception_handler(Exception)
@@ -167,13 +140,14 @@ def build_app(llm: AsyncLLM, model_name: str, max_body_bytes: int = MAX_BODY_BYT
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "minillm", "max_model_len": llm.engine.max_model_len}]}
+                                            "owned_by": "minillm", "max_model_len": llm.max_model_len}]}
 
     @app.get("/health")
     async def health():
-        if not llm.accepting:
-            raise EngineUnavailable("the server is shutting down" if llm.error is None else "the engine failed")
-        return Response(status_code=200)
+        if llm.accepting:
+            return Response(status_code=200)
+        why = "the server is shutting down" if llm.error is None else "the engine failed"
+        return error_response(OpenAIError(why, status=503, type="service_unavailable", code="unavailable"))
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -182,31 +156,32 @@ def build_app(llm: AsyncLLM, model_name: str, max_body_bytes: int = MAX_BODY_BYT
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         served.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise OpenAIError("give either prompt or messages", param="prompt")
+        req.check()
         if req.prompt is not None:
-            ids = llm.engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
+            served.limits.over("prompt", "characters", len(req.prompt), "max_prompt_chars")
+            ids = await served.off_loop(llm.encode, req.prompt, req.add_special_tokens is not False)
         else:
-            messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(req.messages)]
+            served.limits.check_messages(req.messages)
+            messages = [m.template_dict(i) for i, m in enumerate(req.messages)]
             try:
-                ids = llm.engine.apply_chat_template(messages, req.add_generation_prompt)
+                ids = await served.off_loop(llm.apply_chat_template, messages, req.add_generation_prompt,
+                                            req.continue_final_message, req.chat_template_kwargs)
             except ValueError as e:
-                raise OpenAIError(str(e), param="messages") from None
-        return {"count": len(ids), "max_model_len": llm.engine.max_model_len, "tokens": ids}
+                raise template_error(e) from None
+        return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         served.check_model(req.model)
-        vocab = llm.engine.config.vocab_size
-        if bad := [t for t in req.tokens if t >= vocab]:
-            raise OpenAIError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param="tokens")
-        return {"prompt": llm.engine.tokenizer.decode(req.tokens)}
+        if bad := [t for t in req.tokens if t >= llm.vocab_size]:
+            raise OpenAIError(f"token ids outside the vocabulary [0, {llm.vocab_size}): {bad[:5]}", param="tokens")
+        return {"prompt": await served.off_loop(llm.tokenizer.decode, req.tokens)}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
-        tok = llm.engine.tokenizer
+        tok = llm.tokenizer
         return {"tokenizer_class": type(tok).__name__, "vocab_size": len(tok),
-                "model_max_length": llm.engine.max_model_len, "bos_token": tok.bos_token,
+                "model_max_length": llm.max_model_len, "bos_token": tok.bos_token,
                 "eos_token": tok.eos_token, "pad_token": tok.pad_token, "unk_token": tok.unk_token,
                 "chat_template": tok.chat_template}
 

@@ -4,6 +4,9 @@
 the event loop that serves HTTP. Requests are added and aborted from the event loop (the engine takes
 them between steps); each step's outputs are handed back to the loop, which puts each one on its
 request's queue. This is the shape of vLLM's `AsyncLLM`.
+
+A server reaches the engine only through this class (see "What a server uses" on `AsyncLLM`), so chapter 9
+can put a Ray replica behind the same methods.
 """
 
 from __future__ import annotations
@@ -82,7 +85,14 @@ def _concat(old: CompletionOutput, new: CompletionOutput) -> CompletionOutput:
 
 
 class AsyncLLM:
-    """An `LLMEngine` served to asyncio code: `add_request` / `generate` / `abort`, one engine loop thread."""
+    """An `LLMEngine` served to asyncio code: `add_request` / `generate` / `abort`, one engine loop thread.
+
+    What a server uses, and all it uses (a remote replica implements the same):
+    requests: `add_request`, `generate`, `abort`, `abort_nowait`, `forget`, `check_room`, `max_waiting_requests`;
+    text: `tokenizer`, `encode`, `apply_chat_template`, `validate`, `token_text`;
+    facts: `max_model_len`, `vocab_size`; state: `stats()`, `accepting`, `error`, `listeners`;
+    lifecycle: `start`, `stop`, `stop_accepting`, `abort_all`, `num_unfinished`, `open_streams`.
+    """
 
     def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None):
         self.engine = engine
@@ -134,10 +144,7 @@ class AsyncLLM:
         if not self.accepting:
             raise EngineUnavailable("the server is shutting down" if self.error is None else
                                     f"the engine stopped after an error: {self.error}")
-        waiting = self.engine.num_waiting_seqs()
-        if self.max_waiting_requests is not None and waiting + params.n > self.max_waiting_requests:
-            raise EngineOverloaded(f"{waiting} sequences are waiting (limit {self.max_waiting_requests}); "
-                                   "try again shortly")
+        self.check_room(params.n)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = RequestStream(self, request_id, params.output_kind)
@@ -145,6 +152,14 @@ class AsyncLLM:
         self._streams[request_id] = stream
         self._wake.set()
         return stream
+
+    def check_room(self, num_seqs: int) -> None:
+        """EngineOverloaded unless `num_seqs` more sequences may wait now; a server checks a whole request's
+        sequences at once, so a batch is admitted entirely or not at all."""
+        waiting = self.engine.num_waiting_seqs()
+        if self.max_waiting_requests is not None and waiting + num_seqs > self.max_waiting_requests:
+            raise EngineOverloaded(f"{waiting} sequences are waiting (limit {self.max_waiting_requests}); "
+                                   "try again shortly")
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -175,6 +190,46 @@ class AsyncLLM:
 
     def num_unfinished(self) -> int:
         return len(self._streams)
+
+    # --- the model's facts and text handling ----------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt and output) the engine can hold."""
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 to vocab_size - 1."""
+        return self.engine.config.vocab_size
+
+    @property
+    def tokenizer(self):
+        """The Hugging Face tokenizer (its special tokens, chat template, `decode`)."""
+        return self.engine.tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt. Blocking: a server runs it in a thread pool, off its event loop."""
+        return self.engine.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of a conversation (ValueError if the template refuses it). Blocking, like `encode`."""
+        return self.engine.apply_chat_template(messages, add_generation_prompt, continue_final_message,
+                                               chat_template_kwargs)
+
+    def validate(self, token_ids: list[int]) -> None:
+        """ValueError if the engine could not run this prompt (empty, ids outside the vocabulary, too long)."""
+        self.engine.validate(token_ids)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text shown on its own, as log-probs show it."""
+        return self.engine.output_processor.token_text(token_id)
+
+    def stats(self) -> dict:
+        """The engine's counters and KV pool occupancy (`LLMEngine.stats`)."""
+        return self.engine.stats()
 
     # --- the engine loop (its own thread) and delivery (on the event loop) -----------------------------
 

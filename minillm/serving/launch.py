@@ -21,6 +21,8 @@ from ..engine_args import EngineArgs
 from ..weights import DEFAULT_MODEL
 from .api_server import build_app
 from .async_llm import AsyncLLM
+from .limits import ServerLimits
+
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket (port 0: a free one), so clients can connect as soon as its address is known."""
@@ -113,6 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-seconds", type=float, default=5.0,
                         help="on SIGINT/SIGTERM, how long requests in flight may run before they are aborted")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    ServerLimits.add_cli_args(parser)
     EngineArgs.add_cli_args(parser)
 
 
@@ -123,6 +126,7 @@ def serve(args: argparse.Namespace) -> int:
     from ..engine import LLMEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    limits = ServerLimits.from_cli_args(args)  # a bad limit is refused before the model loads
     engine = LLMEngine(EngineArgs.from_cli_args(args))
     name = args.served_model_name or (engine.path.name if args.model else DEFAULT_MODEL)
     llm = AsyncLLM(engine, max_waiting_requests=args.max_waiting_requests)
@@ -133,7 +137,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"minillm: serving {name} at http://{host}:{port}/v1 on {engine.device} "
               f"({torch.get_num_threads()} threads); Ctrl-C to stop", flush=True)
 
-    app = build_app(llm, name, on_started=ready)
+    app = build_app(llm, name, limits, on_started=ready)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("debug", "info"))
     _Server(config, llm, args.drain_seconds).run(sockets=[sock])
     print("minillm: stopped", file=sys.stderr, flush=True)

@@ -1,8 +1,8 @@
 """The server's /metrics: engine state and request latencies in Prometheus form, with vLLM's metric names.
 
-Gauges are read from the engine when Prometheus scrapes; counters and latency histograms are fed from
-each step's outputs (`AsyncLLM.listeners`). Everything lives in the app's own registry, so several servers
-in one process (tests, notebooks) never share counters.
+Gauges are read from the engine's stats when Prometheus scrapes; counters and latency histograms are fed
+from each step's outputs (`AsyncLLM.listeners`), and refusals (429, 503) by the app. Everything lives in
+the app's own registry, so several servers in one process (tests, notebooks) never share counters.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class ServerMetrics:
 
     def __init__(self, llm: AsyncLLM, model_name: str):
         self.registry = CollectorRegistry()
-        engine, labels = llm.engine, {"model_name": model_name}
+        labels = {"model_name": model_name}
 
         def gauge(name: str, doc: str, read) -> None:
             Gauge(PREFIX + name, doc, list(labels), registry=self.registry).labels(**labels).set_function(read)
@@ -39,19 +39,19 @@ class ServerMetrics:
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(PREFIX + name, doc, list(labels), buckets=buckets, registry=self.registry).labels(**labels)
 
-        bm = engine.block_manager
-        gauge("num_requests_running", "Sequences in the running batch.", lambda: len(engine.scheduler.running))
+        gauge("num_requests_running", "Sequences in the running batch.", lambda: llm.stats()["num_running"])
         gauge("num_requests_waiting", "Sequences waiting to start (or to resume after preemption).",
-              engine.num_waiting_seqs)
-        gauge("kv_cache_usage_perc", "Share of KV-cache blocks in use (1 = full).",
-              lambda: 1 - bm.num_free_blocks / bm.num_blocks)
+              lambda: llm.stats()["num_waiting"])
+        gauge("kv_cache_usage_perc", "Share of KV-cache blocks in use (1 = full).", lambda: _kv_usage(llm.stats()))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.").labels(**labels)
         self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(**labels)
         self.success = counter("request_success", "Requests finished, by finish reason.", "finished_reason")
+        self.rejected = counter("request_rejected", "Requests refused before they started: overloaded (429) or "
+                                "unavailable (503).", "reason")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS)
-        self.registry.register(_EngineCounters(engine, labels))
+        self.registry.register(_EngineCounters(llm, labels))
         self.labels = labels
         self._seen: dict[str, int] = {}  # request id -> token times already observed
         llm.listeners.append(self.observe)
@@ -75,14 +75,18 @@ class ServerMetrics:
                 self.success.labels(**self.labels, finished_reason=reason or "abort").inc()
 
 
+def _kv_usage(stats: dict) -> float:
+    return 1 - stats["kv_blocks_free"] / stats["kv_blocks_total"]
+
+
 class _EngineCounters:
     """Counters the engine keeps itself, read at scrape time (a Prometheus Counter cannot be set)."""
 
-    def __init__(self, engine, labels: dict[str, str]):
-        self.engine, self.labels = engine, labels
+    def __init__(self, llm: AsyncLLM, labels: dict[str, str]):
+        self.llm, self.labels = llm, labels
 
     def collect(self):
-        stats = self.engine.stats()
+        stats = self.llm.stats()
         for name, doc, value in (
                 ("num_preemptions", "Sequences preempted (their KV blocks freed, recomputed later).",
                  stats["num_preemptions"]),

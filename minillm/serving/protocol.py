@@ -1,9 +1,10 @@
 """The OpenAI request schemas the server accepts, validated by pydantic at the edge.
 
-Fields follow OpenAI's API and vLLM's additions (`top_k`, `ignore_eos`, `continuous_usage_stats`).
-Unknown fields are accepted and ignored, as vLLM does. Known features the engine does not implement
-(penalties, logit bias, tools, JSON mode, `suffix`) are refused with a 400 naming the field rather than
-silently ignored.
+Fields follow OpenAI's API and vLLM's additions (`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`,
+`prompt_logprobs`, `chat_template_kwargs`, ...). Every field named here is honoured, or refused with a 400
+naming it when set to something the engine cannot do (`logit_bias`, `tools`, JSON mode, `suffix`, `best_of`
+other than n); `user` is an end-user label and only accepted. Fields not named here are accepted and
+ignored, as vLLM does. Value ranges are checked by `SamplingParams` and by the server's limits.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictBool, StrictInt, StrictStr
 
-from ..sampling import MAX_LOGPROBS, MAX_N, SEED_RANGE
+from ..sampling import SEED_RANGE
 
 
 class OpenAIError(Exception):
@@ -33,6 +34,7 @@ class Request(BaseModel):
 
 
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
+Count = Annotated[StrictInt, Field(ge=0)]
 Seed = Annotated[StrictInt, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])]
 
 
@@ -45,33 +47,43 @@ class SamplingRequest(Request):
     """Fields shared by completions and chat completions."""
 
     model: StrictStr | None = None
-    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
+    n: Annotated[StrictInt, Field(ge=1)] = 1
     temperature: Annotated[FiniteFloat, Field(ge=0)] | None = None  # None: 1.0, as OpenAI
     top_p: Annotated[FiniteFloat, Field(gt=0, le=1)] | None = None
     top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    min_p: FiniteFloat | None = None
     seed: Seed | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
+    stop_token_ids: TokenIds | None = None
+    include_stop_str_in_output: StrictBool = False
+    min_tokens: Count = 0
     ignore_eos: StrictBool = False
-    user: StrictStr | None = None
-    # accepted at their neutral values only: the engine implements none of them
+    repetition_penalty: FiniteFloat | None = None
     presence_penalty: FiniteFloat | None = None
     frequency_penalty: FiniteFloat | None = None
+    skip_special_tokens: StrictBool = True
+    prompt_logprobs: Count | None = None  # vLLM: log-probs of the prompt's tokens, in the response
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    # accepted at their neutral values only: the engine implements neither
     logit_bias: dict[str, Any] | None = None
     best_of: StrictInt | None = None
 
-    def unsupported(self) -> str | None:
-        """The first field set to something the engine cannot do, if any."""
-        if self.presence_penalty:
-            return "presence_penalty"
-        if self.frequency_penalty:
-            return "frequency_penalty"
+    def check(self) -> None:
+        """A 400 naming the first field set to something this server cannot do, or that contradicts another."""
         if self.logit_bias:
-            return "logit_bias"
+            raise _unsupported("logit_bias")
         if self.best_of not in (None, self.n):
-            return "best_of"
-        return None
+            raise _unsupported("best_of")
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError("stream_options is only allowed with stream set to true", param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM: they come in the response body
+            raise OpenAIError("prompt_logprobs is not available with stream set to true", param="prompt_logprobs")
+
+
+def _unsupported(field: str) -> OpenAIError:
+    return OpenAIError(f"{field} is not supported by this server", param=field)
 
 
 class CompletionRequest(SamplingRequest):
@@ -79,12 +91,14 @@ class CompletionRequest(SamplingRequest):
 
     prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
-    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Count | None = None
     echo: StrictBool = False
     suffix: StrictStr | None = None
 
-    def unsupported(self) -> str | None:
-        return "suffix" if self.suffix else super().unsupported()
+    def check(self) -> None:
+        if self.suffix:
+            raise _unsupported("suffix")
+        super().check()
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: one string or token list each."""
@@ -96,15 +110,14 @@ class CompletionRequest(SamplingRequest):
         return list(p)
 
 
-class TextPart(Request):
-    type: Literal["text"]
-    text: StrictStr
-
-
 class Message(Request):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: StrictStr | list[dict[str, Any]] | None = None
     name: StrictStr | None = None
+
+    def template_dict(self, index: int) -> dict:
+        """The message as a chat template reads it: role, text content, and the name if given."""
+        return {"role": self.role, "content": self.text(index), **({"name": self.name} if self.name else {})}
 
     def text(self, index: int) -> str:
         """The message's text: a string, or a list of text parts joined (other parts are refused)."""
@@ -128,16 +141,34 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # None: up to the end of the context
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     logprobs: StrictBool = False
-    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Count | None = None
+    echo: StrictBool = False  # vLLM: the reply starts with the last message's content when that is the assistant's
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False  # the last (assistant) message is left open and continued
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    def unsupported(self) -> str | None:
+    def check(self) -> None:
         if self.tools:
-            return "tools"
+            raise _unsupported("tools")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return "response_format"
-        return super().unsupported()
+            raise _unsupported("response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs set to true", param="top_logprobs")
+        check_continue(self.continue_final_message, self.add_generation_prompt)
+        super().check()
+
+    def echoed(self) -> str:
+        """What `echo` puts before the reply: the last message's text when it is the assistant's (as vLLM)."""
+        last = self.messages[-1]
+        return last.text(len(self.messages) - 1) if self.echo and last.role == "assistant" else ""
+
+
+def check_continue(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    if continue_final_message and add_generation_prompt:  # as vLLM (and the template) refuse
+        raise OpenAIError("continue_final_message continues the last message, so add_generation_prompt must be "
+                          "false", param="continue_final_message")
 
 
 class TokenizeRequest(Request):
@@ -146,8 +177,18 @@ class TokenizeRequest(Request):
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[Message] | None = None
-    add_special_tokens: StrictBool = True
+    add_special_tokens: StrictBool | None = None  # prompt only (default true); a chat template adds its own
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise OpenAIError("give either prompt or messages", param="prompt")
+        if self.messages is not None and self.add_special_tokens:
+            raise OpenAIError("add_special_tokens applies to a prompt; a chat template adds its own special tokens",
+                              param="add_special_tokens")
+        check_continue(self.continue_final_message, self.add_generation_prompt)
 
 
 class DetokenizeRequest(Request):

@@ -1,0 +1,106 @@
+"""/v1/chat/completions: a conversation through the chat template into one engine request (n completions),
+its outputs into OpenAI chat JSON, whole or as a stream of deltas."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from ..outputs import CompletionOutput
+from ..sampling import SamplingParams
+from .async_llm import RequestStream
+from .protocol import ChatCompletionRequest, OpenAIError
+from .serving_engine import Served, Stream, finals, lp, prompt_logprobs_json, sampling_params, start, usage
+
+
+def template_error(e: ValueError) -> OpenAIError:
+    """A chat template's refusal as a 400: on the kwargs if they were the trouble, else on the messages."""
+    message = str(e)
+    return OpenAIError(message, param="chat_template_kwargs" if message.startswith("chat_template_kwargs") else
+                       "messages")
+
+
+def prepare_chat(served: Served, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+    """The conversation's token ids and the engine parameters. Blocking (the chat template): the handler runs it
+    in the tokenizer pool."""
+    messages = [m.template_dict(i) for i, m in enumerate(req.messages)]
+    try:
+        ids = served.llm.apply_chat_template(messages, req.add_generation_prompt, req.continue_final_message,
+                                             req.chat_template_kwargs)
+    except ValueError as e:
+        raise template_error(e) from None
+    served.check_prompt(ids, "messages")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return ids, sampling_params(served, req, len(ids), max_tokens, logprobs, req.prompt_logprobs)
+
+
+def chat_logprobs(served: Served, c: CompletionOutput, top: int) -> dict:
+    content = []
+    for token_id, entry in zip(c.token_ids, c.logprobs):
+        def item(t: int, logprob: float) -> dict:
+            text = served.llm.token_text(t)
+            return {"token": text, "logprob": lp(logprob), "bytes": list(text.encode())}
+        alternatives = sorted(entry.items(), key=lambda kv: kv[1].rank)[:top]
+        content.append({**item(token_id, entry[token_id].logprob),
+                        "top_logprobs": [item(t, x.logprob) for t, x in alternatives]})
+    return {"content": content}
+
+
+async def chat_completion(served: Served, req: ChatCompletionRequest, disconnected) -> dict | Stream:
+    served.check_model(req.model)
+    req.check()
+    served.limits.check_chat(req, served.llm.max_waiting_requests)
+    ids, params = await served.off_loop(prepare_chat, served, req)
+    request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    streams = start(served, request_id, [ids], [params])
+    head = {"id": request_id, "object": "chat.completion", "created": created, "model": served.model_name}
+    top = req.top_logprobs or 0
+    if req.stream:
+        return Stream(_chat_chunks(served, req, streams[0], len(ids), {**head, "object": "chat.completion.chunk"},
+                                   top), streams)
+    (out,) = await finals(streams, disconnected)
+    echoed = req.echoed()
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": echoed + c.text},
+                "logprobs": chat_logprobs(served, c, top) if req.logprobs else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+    body = {**head, "choices": choices, "usage": usage(len(ids), sum(len(c.token_ids) for c in out.outputs))}
+    if req.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, ids, req.prompt_logprobs)
+    return body
+
+
+async def _chat_chunks(served: Served, req: ChatCompletionRequest, stream: RequestStream, prompt_tokens: int,
+                       head: dict, top: int) -> AsyncIterator[str]:
+    opts = req.stream_options
+    include_usage, continuous = bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
+    completion_tokens = 0
+
+    def chunk(choice: dict) -> str:
+        body = {**head, "choices": [choice]}
+        if include_usage or continuous:
+            body["usage"] = usage(prompt_tokens, completion_tokens) if continuous else None
+        return json.dumps(body)
+
+    try:
+        for i in range(req.n):  # the role comes first, before any token; then what echo repeats
+            yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None})
+        if echoed := req.echoed():
+            for i in range(req.n):
+                yield chunk({"index": i, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None})
+        async for out in stream:
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                if not c.text and not c.finished and not req.logprobs:
+                    continue
+                yield chunk({"index": c.index, "delta": {"content": c.text} if c.text else {},
+                             "logprobs": chat_logprobs(served, c, top) if req.logprobs else None,
+                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        if include_usage:
+            yield json.dumps({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        yield "[DONE]"
+    finally:
+        await stream.aclose()

@@ -1,0 +1,195 @@
+"""Chapter 8 — what /v1/completions and /v1/chat/completions share (vLLM's `OpenAIServing`): the engine
+behind them, tokenizing off the event loop, engine parameters from a request, admitting a request's
+prompts together, and waiting for final outputs while watching for the client to leave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ..outputs import PositionLogprobs, RequestOutput
+from ..sampling import RequestOutputKind, SamplingParams
+from .async_llm import AsyncLLM, RequestStream
+from .limits import ServerLimits
+from .protocol import OpenAIError, SamplingRequest
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a log-prob of zero probability is sent as this (as vLLM does)
+TOKENIZER_THREADS = 4  # tokenizing and chat templates run here, so a long prompt never stalls the event loop
+
+
+@dataclass
+class Served:
+    """What the handlers need: the engine, the name clients use for the model, the limits, the tokenizer pool."""
+
+    llm: AsyncLLM
+    model_name: str
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        TOKENIZER_THREADS, thread_name_prefix="minillm-tokenizer"))
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise OpenAIError(f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                              status=404, param="model", code="model_not_found")
+
+    async def off_loop(self, fn: Callable, *args):
+        """`fn(*args)` in the tokenizer pool: blocking work (tokenizing, templates) while the loop serves others."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def check_prompt(self, token_ids: list[int], param: str) -> None:
+        """A 400 for a prompt over the token limit, or one the engine could not run."""
+        self.limits.check_prompt_tokens(len(token_ids), param)
+        try:
+            self.llm.validate(token_ids)
+        except ValueError as e:
+            too_long = "context" in str(e)
+            raise OpenAIError(str(e), param=param, code="context_length_exceeded" if too_long else None) from None
+
+
+def _param(message: str) -> str | None:
+    """The field a ValueError from SamplingParams or the engine names first (they start with it)."""
+    word = message.split(" ", 1)[0]
+    return word if word.isidentifier() else None
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def sampling_params(served: Served, req: SamplingRequest, prompt_len: int, max_tokens: int | None,
+                    logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+    """The engine's parameters for one prompt of a request; a 400 for anything out of range."""
+    max_model_len, limit = served.llm.max_model_len, served.limits.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = max(1, max_model_len - prompt_len)
+    if limit is not None:  # a default never goes past the limit (a value the client set was checked against it)
+        max_tokens = min(max_tokens, limit)
+    if prompt_len + max_tokens > max_model_len:
+        raise OpenAIError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                          f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+                          "completion). Please reduce the prompt or max_tokens.", param="max_tokens",
+                          code="context_length_exceeded")
+    if bad := [t for t in req.stop_token_ids or [] if t >= served.llm.vocab_size]:
+        raise OpenAIError(f"stop_token_ids outside the vocabulary [0, {served.llm.vocab_size}): {bad[:5]}",
+                          param="stop_token_ids")
+    try:
+        return SamplingParams(
+            n=req.n, temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0), top_k=req.top_k or 0,
+            min_p=_or(req.min_p, 0.0), max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+            seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            repetition_penalty=_or(req.repetition_penalty, 1.0), presence_penalty=_or(req.presence_penalty, 0.0),
+            frequency_penalty=_or(req.frequency_penalty, 0.0), skip_special_tokens=req.skip_special_tokens,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY)
+    except ValueError as e:
+        raise OpenAIError(str(e), param=_param(str(e))) from None
+
+
+def start(served: Served, request_id: str, prompts: list[list[int]],
+          params: list[SamplingParams]) -> list[RequestStream]:
+    """Add one engine request per prompt, all or none: the waiting queue must have room for every sequence."""
+    served.llm.check_room(sum(p.n for p in params))
+    streams: list[RequestStream] = []
+    try:
+        for i, (ids, p) in enumerate(zip(prompts, params)):
+            streams.append(served.llm.add_request(f"{request_id}-{i}", ids, p))
+    except BaseException:
+        for s in streams:
+            served.llm.abort_nowait(s.request_id)
+            served.llm.forget(s.request_id)
+        raise
+    return streams
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several requests as they come, tagged with the request's position."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except BaseException as e:
+            await queue.put((i, e))
+        await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def close_all(streams: list[RequestStream]) -> None:
+    for s in streams:
+        await s.aclose()
+
+
+async def finals(streams: list[RequestStream], disconnected: Callable) -> list[RequestOutput]:
+    """Each request's final output; if the client goes away first, the requests are aborted."""
+    async def last(stream: RequestStream) -> RequestOutput:
+        out = None
+        async for out in stream:
+            pass
+        return out
+
+    work = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()
+            raise asyncio.CancelledError("client disconnected")
+        return work.result()
+    finally:
+        gone.cancel()
+        await close_all(streams)
+
+
+@dataclass
+class Stream:
+    """A streamed response: its chunks (JSON strings, then "[DONE]") and the engine requests behind them,
+    which the server closes when the response ends, even one that never started (the client left first)."""
+
+    chunks: AsyncIterator[str]
+    streams: list[RequestStream]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def top(entry: PositionLogprobs, token_id: int, k: int) -> PositionLogprobs:
+    """A position's entry cut to the token there and the `k` most likely (the engine may have kept more)."""
+    return {t: x for t, x in entry.items() if t == token_id or x.rank <= k}
+
+
+def prompt_logprobs_json(entries: list[PositionLogprobs | None] | None, token_ids: list[int], k: int) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": lp(x.logprob), "rank": x.rank, "decoded_token": x.decoded_token}
+                                    for t, x in top(e, token_id, k).items()}
+            for e, token_id in zip(entries, token_ids)]

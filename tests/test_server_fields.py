@@ -1,8 +1,12 @@
 """Every request field the server names is honoured, on a tiny model: vLLM's sampling fields reach the engine
 (the server's output equals `LLM.generate` with the same SamplingParams, and differs without the field),
-prompt log-probs on both endpoints, chat echo and continuation, chat template variables."""
+prompt log-probs on both endpoints, chat echo and continuation, chat template variables; and the small
+routes and headers clients rely on (/v1/models/{id}, /version, X-Request-Id)."""
+
+import importlib.metadata
 
 import httpx
+import openai
 import pytest
 
 from minillm import LLM, SamplingParams
@@ -156,3 +160,25 @@ def test_fields_the_server_cannot_honour_are_refused_by_name(client, body, param
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
+
+def test_models_retrieve_version_and_request_ids(server, client):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as oai:
+        assert oai.models.retrieve(MODEL).id == MODEL
+        with pytest.raises(openai.NotFoundError) as e:
+            oai.models.retrieve("gpt-4")
+        assert e.value.body["code"] == "model_not_found"
+    assert client.get("/version").json() == {"version": importlib.metadata.version("minillm")}
+    given = {"X-Request-Id": "trace-42"}
+    for r in [client.get("/health", headers=given), client.post("/v1/completions", json={"prompt": PROMPT,
+                                                                                         "max_tokens": 1},
+                                                                headers=given),
+              client.post("/v1/completions", json={"prompt": ""}, headers=given),
+              client.get("/v1/nothing", headers=given),
+              client.post("/v1/completions", content=b"x" * (5 << 20), headers=given)]:
+        assert r.headers["x-request-id"] == "trace-42", (r.status_code, r.headers)
+    with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "stream": True},
+                       headers=given) as r:
+        assert r.headers["x-request-id"] == "trace-42"
+        r.read()
+    made = {client.get("/health").headers["x-request-id"] for _ in range(2)}
+    assert len(made) == 2 and all(len(i) == 32 for i in made)

@@ -1,13 +1,15 @@
 """The HTTP front door: an OpenAI-compatible FastAPI app over an `AsyncLLM`.
 
-Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, and vLLM's /tokenize,
-/detokenize and /tokenizer_info. Every error a client can cause comes back as a 4xx with an OpenAI
-error body `{"error": {"message", "type", "param", "code"}}`; streams are Server-Sent Events written by
+Routes: /v1/completions, /v1/chat/completions, /v1/models (and /v1/models/{id}), /health, /metrics,
+/version, and vLLM's /tokenize, /detokenize and /tokenizer_info. Every error a client can cause comes back
+as a 4xx with an OpenAI error body `{"error": {"message", "type", "param", "code"}}`; a bug is a 500 that
+says only "internal error" (the details go to the log). Streams are Server-Sent Events written by
 sse-starlette, one `data: {json}` event per chunk and `data: [DONE]` at the end.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import time
@@ -21,12 +23,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from .async_llm import AsyncLLM, EngineOverloaded, EngineUnavailable
 from .chat import chat_completion, template_error
 from .completions import completion
 from .limits import ServerLimits
-from .middleware import BodyLimit, error_response
+from .middleware import ApiKeyAuth, BodyLimit, RequestId, error_response
 from .prometheus import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest
 from .serving_engine import Served, Stream, close_all
@@ -34,6 +37,12 @@ from .serving_engine import Served, Stream, close_all
 MAX_BODY_BYTES = 4 << 20  # a request body above this is refused (413) before it is read whole
 log = logging.getLogger("minillm.serving")
 
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("minillm")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
@@ -66,12 +75,17 @@ def _field_path(loc) -> str:
 _SHAPES = {"str", "int", "float", "bool", "list", "dict", "none", "Message", "StreamOptions"}
 
 
-def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES, on_started: Callable[[], None] | None = None) -> FastAPI:
-    """The app; its lifespan starts the engine loop (then calls `on_started`) and stops it at shutdown."""
+def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None, api_key: str | None = None,
+              allowed_origins: list[str] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+              on_started: Callable[[], None] | None = None) -> FastAPI:
+    """The app; its lifespan starts the engine loop (then calls `on_started`) and stops it at shutdown.
+
+    `api_key`: every route but /health, /metrics and /version needs it as a bearer token. `allowed_origins`:
+    browsers on these origins may call the API (CORS); none by default.
+    """
     served = Served(llm, model_name, limits or ServerLimits())
     metrics = ServerMetrics(llm, model_name)
-    created = int(time.time())
+    created, version = int(time.time()), _version()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -84,6 +98,12 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
 
     app = FastAPI(title="minillm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyAuth, api_key=api_key)
+    app.add_middleware(RequestId)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["*"], expose_headers=["X-Request-Id"])
     app.state.served, app.state.metrics = served, metrics
 
     @app.exception_handler(OpenAIError)
@@ -112,11 +132,6 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
         metrics.rejected.labels(**metrics.labels, reason="unavailable").inc()
         return error_response(OpenAIError(str(e), status=503, type="service_unavailable", code="unavailable"))
 
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, e: Exception):
-        log.exception("unexpected error serving %s", request.url.path)
-        return error_response(OpenAIError(f"internal error: {type(e).__name__}", status=500, type="internal_error"))
-
     async def respond(body: dict | Stream):
         if isinstance(body, dict):
             return JSONResponse(body)
@@ -137,10 +152,18 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         return await respond(await chat_completion(served, req, disconnected(request)))
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "minillm",
+                "max_model_len": llm.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "minillm", "max_model_len": llm.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        served.check_model(model_id)
+        return model_card()
 
     @app.get("/health")
     async def health():
@@ -152,6 +175,10 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
     @app.get("/metrics")
     async def prometheus_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def server_version():
+        return {"version": version}
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import socket
 import sys
 import threading
@@ -22,6 +23,8 @@ from ..weights import DEFAULT_MODEL
 from .api_server import build_app
 from .async_llm import AsyncLLM
 from .limits import ServerLimits
+
+API_KEY_ENV = "MINILLM_API_KEY"  # the API key when --api-key is not given
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -115,6 +118,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-seconds", type=float, default=5.0,
                         help="on SIGINT/SIGTERM, how long requests in flight may run before they are aborted")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer <key>` on every route but /health, /metrics and "
+                             f"/version (default: ${API_KEY_ENV}, else no key)")
+    parser.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                        help="web pages from these origins may call the API (CORS), e.g. http://localhost:3000 "
+                             "or *; default: none")
     ServerLimits.add_cli_args(parser)
     EngineArgs.add_cli_args(parser)
 
@@ -137,7 +146,8 @@ def serve(args: argparse.Namespace) -> int:
         print(f"minillm: serving {name} at http://{host}:{port}/v1 on {engine.device} "
               f"({torch.get_num_threads()} threads); Ctrl-C to stop", flush=True)
 
-    app = build_app(llm, name, limits, on_started=ready)
+    app = build_app(llm, name, limits, api_key=args.api_key or os.environ.get(API_KEY_ENV),
+                    allowed_origins=args.allowed_origins, on_started=ready)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("debug", "info"))
     _Server(config, llm, args.drain_seconds).run(sockets=[sock])
     print("minillm: stopped", file=sys.stderr, flush=True)

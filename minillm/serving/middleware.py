@@ -1,6 +1,14 @@
-"""Chapter 8 — the cap on a request body's size (plain ASGI middleware, so it acts before the body is read)."""
+"""Chapter 8 — what wraps every request before a route sees it (plain ASGI middleware): a request id on every
+response, a 500 that tells the client nothing of the bug, an API key, and a cap on the body's size.
+
+Outermost first: CORS (Starlette's, when origins are allowed) → `RequestId` → `ApiKeyAuth` → `BodyLimit`.
+"""
 
 from __future__ import annotations
+
+import logging
+import secrets
+import uuid
 
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
@@ -8,9 +16,66 @@ from starlette.exceptions import HTTPException
 
 from .protocol import OpenAIError
 
+log = logging.getLogger("minillm.serving")
+OPEN_PATHS = ("/health", "/metrics", "/version")  # served without an API key, as vLLM does
+MAX_REQUEST_ID_CHARS = 128
+
 
 def error_response(e: OpenAIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def internal_error() -> OpenAIError:
+    """What a client learns of a bug or of a failed engine: nothing but that it happened (details are logged)."""
+    return OpenAIError("internal error", status=500, type="internal_error")
+
+
+class RequestId:
+    """Echo the client's `X-Request-Id` (or a new one) on every response, and turn an exception no handler
+    took into a generic 500, logged with that id."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = Headers(scope=scope).get("x-request-id", "")
+        request_id = given if 0 < len(given) <= MAX_REQUEST_ID_CHARS else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = False
+
+        async def send_with_id(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", request_id.encode("latin-1"))]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            log.exception("internal error serving %s %s (request id %s)", scope["method"], scope["path"], request_id)
+            if not started:
+                await error_response(internal_error())(scope, receive, send_with_id)
+
+
+class ApiKeyAuth:
+    """Every path but /health, /metrics and /version needs `Authorization: Bearer <key>` (else 401)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        given = Headers(scope=scope).get("authorization", "").encode()
+        if not secrets.compare_digest(given, self.expected):  # constant time: the key's prefix is not guessable
+            error = OpenAIError("a valid API key is required: send the header `Authorization: Bearer <key>`",
+                                status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return await error_response(error)(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class BodyLimit:

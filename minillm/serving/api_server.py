@@ -2,9 +2,9 @@
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models (and /v1/models/{id}), /health, /metrics,
 /version, and vLLM's /tokenize, /detokenize and /tokenizer_info. Every error a client can cause comes back
-as a 4xx with an OpenAI error body `{"error": {"message", "type", "param", "code"}}`; a bug is a 500 that
-says only "internal error" (the details go to the log). Streams are Server-Sent Events written by
-sse-starlette, one `data: {json}` event per chunk and `data: [DONE]` at the end.
+as a 4xx with an OpenAI error body `{"error": {"message", "type", "param", "code"}}`; a bug or a failed
+engine is a 500 that says only "internal error" (the details go to the log). Streams are Server-Sent Events
+written by sse-starlette, one `data: {json}` event per chunk and `data: [DONE]` at the end.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from .async_llm import AsyncLLM, EngineOverloaded, EngineUnavailable
+from .async_llm import AsyncLLM, EngineDeadError, EngineOverloaded, EngineUnavailable
 from .chat import chat_completion, template_error
 from .completions import completion
 from .limits import ServerLimits
-from .middleware import ApiKeyAuth, BodyLimit, RequestId, error_response
+from .middleware import ApiKeyAuth, BodyLimit, RequestId, error_response, internal_error
 from .prometheus import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest
-from .serving_engine import Served, Stream, close_all
+from .serving_engine import ClientDisconnected, Served, Stream, close_all
 
 MAX_BODY_BYTES = 4 << 20  # a request body above this is refused (413) before it is read whole
 log = logging.getLogger("minillm.serving")
@@ -132,6 +132,15 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
         metrics.rejected.labels(**metrics.labels, reason="unavailable").inc()
         return error_response(OpenAIError(str(e), status=503, type="service_unavailable", code="unavailable"))
 
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, e: EngineDeadError):
+        return error_response(internal_error())  # the engine loop logged the cause
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, e: ClientDisconnected):
+        log.info("client left before its response was ready; request %s aborted", request.state.request_id)
+        return error_response(OpenAIError("client disconnected"))  # never sent: nobody is listening
+
     async def respond(body: dict | Stream):
         if isinstance(body, dict):
             return JSONResponse(body)
@@ -216,11 +225,18 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
 
 
 async def _sse(chunks):
-    """SSE events from a chunk generator; an engine failure mid-stream becomes an error event, then [DONE]."""
+    """SSE events from a chunk generator; a failure mid-stream becomes an error event, then [DONE]."""
     try:
         async for chunk in chunks:
             yield {"data": chunk}
-    except (EngineUnavailable, OpenAIError) as e:
-        error = e if isinstance(e, OpenAIError) else OpenAIError(str(e), status=503, type="service_unavailable")
+    except Exception as e:
+        if isinstance(e, EngineUnavailable):
+            error = OpenAIError(str(e), status=503, type="service_unavailable")
+        elif isinstance(e, OpenAIError):
+            error = e
+        else:
+            if not isinstance(e, EngineDeadError):  # the engine loop logged that one
+                log.exception("internal error in a stream")
+            error = internal_error()
         yield {"data": json.dumps(error.body())}
         yield {"data": "[DONE]"}

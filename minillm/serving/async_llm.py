@@ -29,7 +29,15 @@ class EngineOverloaded(RuntimeError):
 
 
 class EngineUnavailable(RuntimeError):
-    """The engine is stopping, or stopped on an error: no new requests (HTTP 503)."""
+    """The engine is stopping: no new requests (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """A step failed and the engine loop stopped (vLLM's name): requests in flight and new ones fail (HTTP 500).
+    The message says nothing of the cause; the traceback is in the server's log."""
+
+    def __init__(self):
+        super().__init__("the engine stopped after an internal error")
 
 
 class RequestStream:
@@ -90,7 +98,7 @@ class AsyncLLM:
     What a server uses, and all it uses (a remote replica implements the same):
     requests: `add_request`, `generate`, `abort`, `abort_nowait`, `forget`, `check_room`, `max_waiting_requests`;
     text: `tokenizer`, `encode`, `apply_chat_template`, `validate`, `token_text`;
-    facts: `max_model_len`, `vocab_size`; state: `stats()`, `accepting`, `error`, `listeners`;
+    facts: `max_model_len`, `vocab_size`; state: `stats()`, `accepting`, `error`, `listeners`, `failure_listeners`;
     lifecycle: `start`, `stop`, `stop_accepting`, `abort_all`, `num_unfinished`, `open_streams`.
     """
 
@@ -98,6 +106,8 @@ class AsyncLLM:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.listeners: list[Callable[[list[RequestOutput]], None]] = []  # called on the event loop per step
+        # called on the event loop once a step has failed and every reader has been told
+        self.failure_listeners: list[Callable[[BaseException], None]] = []
         self.error: BaseException | None = None  # set if a step failed: the engine stops serving
         self.open_streams = 0  # streams handed out and not yet closed by their readers
         self._streams: dict[str, RequestStream] = {}
@@ -141,9 +151,10 @@ class AsyncLLM:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
         """Queue a request and return its stream; a bad prompt or parameter raises ValueError here, at once."""
+        if self.error is not None:
+            raise EngineDeadError()
         if not self.accepting:
-            raise EngineUnavailable("the server is shutting down" if self.error is None else
-                                    f"the engine stopped after an error: {self.error}")
+            raise EngineUnavailable("the server is shutting down")
         self.check_room(params.n)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -261,5 +272,7 @@ class AsyncLLM:
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():
-            stream.queue.put_nowait(EngineUnavailable(f"the engine stopped after an error: {error}"))
+            stream.queue.put_nowait(EngineDeadError())
         self._streams.clear()
+        for listener in self.failure_listeners:
+            listener(error)

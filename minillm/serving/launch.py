@@ -3,6 +3,8 @@
 Shutting down is the same in both: new requests are refused (503), requests in flight get `drain_seconds`
 to finish, whatever is left is aborted (each open stream still ends with a final chunk and `[DONE]`),
 and only then does uvicorn close its connections. SIGINT or SIGTERM starts it; a second one forces exit.
+If an engine step fails, every request in flight gets a 500 (or an error event), and the server stops the
+same way with exit status 1, so a supervisor restarts it (as vLLM does).
 """
 
 from __future__ import annotations
@@ -50,11 +52,22 @@ async def shutdown(server: uvicorn.Server, llm: AsyncLLM, drain_seconds: float) 
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, with a first SIGINT/SIGTERM that drains instead of cutting streams, and exit status 0."""
+    """uvicorn, with a first SIGINT/SIGTERM that drains instead of cutting streams, and an engine failure that
+    stops it too; `exit_code` is 1 after a failure, else 0."""
 
     def __init__(self, config: uvicorn.Config, llm: AsyncLLM, drain_seconds: float):
         super().__init__(config)
         self.llm, self.drain_seconds, self.draining = llm, drain_seconds, False
+        llm.failure_listeners.append(self._engine_failed)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.llm.error is None else 1
+
+    def _engine_failed(self, error: BaseException) -> None:
+        """On the event loop, once every reader has its error: stop taking requests and exit."""
+        self.draining = True
+        asyncio.ensure_future(shutdown(self, self.llm, 0))
 
     def handle_exit(self, sig, frame) -> None:
         if self.draining:  # a second signal: stop now
@@ -69,6 +82,7 @@ class ServerThread:
     """The app served by uvicorn in a background thread on 127.0.0.1 and a free port (tests, notebooks).
 
     Use as a context manager, or call `start()` and `stop()`; `url` is the base URL (`.../v1` for clients).
+    If the engine fails, the server stops by itself and `failed` is true (`exit_code` 1, as `serve` exits).
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, drain_seconds: float = 0.0):
@@ -77,7 +91,7 @@ class ServerThread:
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
         self.drain_seconds = drain_seconds
         config = uvicorn.Config(app, log_level="error", access_log=False, lifespan="on")
-        self.server = uvicorn.Server(config)
+        self.server = _Server(config, self.llm, drain_seconds)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="minillm-server")
 
@@ -101,6 +115,14 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(timeout)
         self.sock.close()
+
+    @property
+    def failed(self) -> bool:
+        return self.server.exit_code != 0
+
+    @property
+    def exit_code(self) -> int:
+        return self.server.exit_code
 
     def __enter__(self) -> ServerThread:
         return self.start()
@@ -129,7 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Load the model, serve until SIGINT/SIGTERM, drain, exit 0."""
+    """Load the model, serve until SIGINT/SIGTERM, drain; exit 0, or 1 if the engine failed."""
     import torch
 
     from ..engine import LLMEngine
@@ -149,6 +171,8 @@ def serve(args: argparse.Namespace) -> int:
     app = build_app(llm, name, limits, api_key=args.api_key or os.environ.get(API_KEY_ENV),
                     allowed_origins=args.allowed_origins, on_started=ready)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("debug", "info"))
-    _Server(config, llm, args.drain_seconds).run(sockets=[sock])
-    print("minillm: stopped", file=sys.stderr, flush=True)
-    return 0
+    server = _Server(config, llm, args.drain_seconds)
+    server.run(sockets=[sock])
+    print("minillm: stopped" if server.exit_code == 0 else "minillm: stopped after the engine failed (see above)",
+          file=sys.stderr, flush=True)
+    return server.exit_code

@@ -20,6 +20,10 @@ LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a log-prob of zero probability is s
 TOKENIZER_THREADS = 4  # tokenizing and chat templates run here, so a long prompt never stalls the event loop
 
 
+class ClientDisconnected(Exception):
+    """The client left before its (non-streamed) response was ready; its requests were aborted."""
+
+
 @dataclass
 class Served:
     """What the handlers need: the engine, the name clients use for the model, the limits, the tokenizer pool."""
@@ -143,7 +147,8 @@ async def close_all(streams: list[RequestStream]) -> None:
 
 
 async def finals(streams: list[RequestStream], disconnected: Callable) -> list[RequestOutput]:
-    """Each request's final output; if the client goes away first, the requests are aborted."""
+    """Each request's final output; if the client goes away first, the requests are aborted and
+    ClientDisconnected is raised (a quiet end, not an error of the server)."""
     async def last(stream: RequestStream) -> RequestOutput:
         out = None
         async for out in stream:
@@ -156,7 +161,7 @@ async def finals(streams: list[RequestStream], disconnected: Callable) -> list[R
         await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
             work.cancel()
-            raise asyncio.CancelledError("client disconnected")
+            raise ClientDisconnected()
         return work.result()
     finally:
         gone.cancel()

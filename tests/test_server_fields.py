@@ -4,6 +4,7 @@ prompt log-probs on both endpoints, chat echo and continuation, chat template va
 routes and headers clients rely on (/v1/models/{id}, /version, X-Request-Id)."""
 
 import importlib.metadata
+import socket
 
 import httpx
 import openai
@@ -182,3 +183,16 @@ def test_models_retrieve_version_and_request_ids(server, client):
         r.read()
     made = {client.get("/health").headers["x-request-id"] for _ in range(2)}
     assert len(made) == 2 and all(len(i) == 32 for i in made)
+
+
+@pytest.mark.parametrize("given", [b"a\x7fb", b"caf\xc3\xa9", b"x" * 200])
+def test_a_request_id_no_header_could_carry_back_is_replaced(server, given):
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Request-Id: " + given + b"\r\nConnection: close\r\n\r\n")
+        reply = b""
+        while data := sock.recv(4096):
+            reply += data
+    head = reply.split(b"\r\n\r\n")[0].split(b"\r\n")
+    request_id = next(line for line in head if line.lower().startswith(b"x-request-id:")).split(b": ")[1]
+    assert head[0] == b"HTTP/1.1 200 OK" and len(request_id) == 32

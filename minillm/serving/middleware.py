@@ -41,7 +41,8 @@ class RequestId:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         given = Headers(scope=scope).get("x-request-id", "")
-        request_id = given if 0 < len(given) <= MAX_REQUEST_ID_CHARS else uuid.uuid4().hex
+        usable = 0 < len(given) <= MAX_REQUEST_ID_CHARS and given.isascii() and given.isprintable()
+        request_id = given if usable else uuid.uuid4().hex  # echoed back, so only what a header may carry
         scope.setdefault("state", {})["request_id"] = request_id
         started = False
 

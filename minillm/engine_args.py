@@ -98,7 +98,7 @@ class EngineArgs:
 
 def _check_count(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def _scalar(hint) -> type:

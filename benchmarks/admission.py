@@ -6,7 +6,8 @@ The abuses (each a single HTTP request):
   200,000 stops        200,000 five-character stop strings, n = 4, 8 tokens
   4 MB prompt          one prompt of 4,000,000 characters
   maximal batch        a body just under the 4 MiB body limit of one-character prompts (about 1,000,000)
-The probe: `GET /health`, then a 4-token greedy completion, sent 0.3 s after the abuse. Each is timed alone too.
+The probe: `GET /health` and a 4-token greedy completion, sent together 0.3 s after the abuse; each is timed
+alone too.
 
 "Before" is another checkout of the server (`--before`, default the commit before admission control), run from
 a temporary `git worktree`; "after" is this tree. Both run `python -m minillm serve` on 127.0.0.1 with the same
@@ -25,8 +26,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -63,28 +64,27 @@ def timed(send) -> tuple[float, int]:
 
 
 def probe(client: httpx.Client, base: str) -> tuple[float, float]:
-    """Seconds for /health, then for the probe completion (both must succeed)."""
-    health, status = timed(lambda: client.get(base + "/health").status_code)
-    assert status == 200, status
-    completion, status = timed(lambda: client.post(base + "/v1/completions", json=PROBE).status_code)
-    assert status == 200, status
-    return health, completion
+    """Seconds for /health and for the probe completion, sent at the same moment (both must succeed)."""
+    def health() -> float:
+        seconds, status = timed(lambda: client.get(base + "/health").status_code)
+        assert status == 200, status
+        return seconds
+
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(health)
+        completion, status = timed(lambda: client.post(base + "/v1/completions", json=PROBE).status_code)
+        assert status == 200, status
+        return waiting.result(), completion
 
 
 def under_abuse(client: httpx.Client, base: str, body: bytes) -> tuple[float, float, float, int]:
     """(health s, probe s, abuse s, abuse status) with the abuse sent `LEAD` seconds before the probe."""
-    result = {}
-
-    def abuse() -> None:
-        result["abuse"] = timed(lambda: client.post(base + "/v1/completions", content=body,
-                                                    headers={"content-type": "application/json"}).status_code)
-
-    thread = threading.Thread(target=abuse)
-    thread.start()
-    time.sleep(LEAD)
-    health, completion = probe(client, base)
-    thread.join()
-    return (health, completion, *result["abuse"])
+    with ThreadPoolExecutor(1) as pool:
+        abuse = pool.submit(timed, lambda: client.post(base + "/v1/completions", content=body,
+                                                       headers={"content-type": "application/json"}).status_code)
+        time.sleep(LEAD)
+        health, completion = probe(client, base)
+        return (health, completion, *abuse.result())
 
 
 def main() -> None:

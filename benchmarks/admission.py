@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.serving import ServerProcess
+from minillm.workload import cpu_model
 
 BEFORE = "a97433e"  # the server of chapter 8 before admission control
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +124,7 @@ def main() -> None:
                               "health_s": med[0], "probe_s": med[1], "probe_s_rounds": [r[1] for r in rows]})
         if args.save:
             meta = {"before": args.before, "threads": args.threads, "cpus": os.cpu_count(), "rounds": args.rounds,
-                    "date": time.strftime("%Y-%m-%d"), "cpu": platform.processor() or platform.machine()}
+                    "date": time.strftime("%Y-%m-%d"), "cpu": cpu_model()}
             Path(args.save).write_text(json.dumps({**meta, "results": table}, indent=1) + "\n")
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], capture_output=True)

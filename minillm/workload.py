@@ -34,7 +34,7 @@ def setup_chapter() -> str:
 
 def describe_machine() -> str:
     """CPU model, cores and PyTorch threads, memory, GPU, and library versions, in one line."""
-    parts = [f"{_cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} PyTorch "
+    parts = [f"{cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} PyTorch "
              f"thread{'s' * (torch.get_num_threads() != 1)}", f"{_memory_gib():.0f} GiB RAM"]
     if ON_GPU:
         props = torch.cuda.get_device_properties(0)
@@ -49,7 +49,8 @@ def describe_machine() -> str:
     return "Ran on: " + "; ".join(parts + [", ".join(versions)])
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (Linux), else what `platform` knows."""
     try:  # Linux
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -1,0 +1,78 @@
+"""Chapter 9 — Ray Serve request routers: the policies of `routing_policies.py` deciding which replica gets a request.
+
+Serve calls `choose_replicas` with the replicas it may use and the pending request, whose keyword arguments
+(those the ingress passes to a replica) hold `prompt_token_ids` and `user`. A router returns tiers of
+replicas, best first; Serve sends the request to the least-loaded replica of the first tier that has room
+and moves on to the next tier when all of it is full. So each router returns one tier per replica, in its
+policy's order. Loads are Serve's own counts of requests in flight per replica. `ROUTERS` maps the names
+of `serve --router` to a class for `RequestRouterConfig(request_router_class=...)`; None keeps Serve's
+default, power of two choices (two replicas at random, the less loaded wins).
+"""
+
+from __future__ import annotations
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from .routing_policies import PrefixAffinity, RoundRobin, RouteRequest, RoutingPolicy, SessionAffinity
+
+
+def route_request(pending_request: PendingRequest | None) -> RouteRequest:
+    """The prompt's token ids and the user, from the keyword arguments the ingress passed to the replica."""
+    kwargs = pending_request.kwargs if pending_request is not None else {}
+    return RouteRequest(tuple(kwargs.get("prompt_token_ids") or ()), kwargs.get("user"))
+
+
+class PolicyRouter(RequestRouter):
+    """A request router that ranks replicas with a `RoutingPolicy`, built from `request_router_kwargs`."""
+
+    policy_class: type[RoutingPolicy]
+
+    def initialize_state(self, **kwargs) -> None:
+        self.policy = self.policy_class(**kwargs)
+
+    async def loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
+        """Requests in flight per replica: Serve's cached counts, asking the replicas it has no fresh count for."""
+        cache = self.replica_queue_len_cache
+        loads = {r.replica_id.unique_id: n for r in replicas if (n := cache.get(r.replica_id)) is not None}
+        unknown = [r for r in replicas if r.replica_id.unique_id not in loads]
+        loads.update((r.replica_id.unique_id, n) for r, n in await self._probe_queue_lens(unknown, 0) if n is not None)
+        return loads
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        ranking = self.policy.rank(list(by_id), await self.loads(candidate_replicas), route_request(pending_request))
+        return [[by_id[r]] for r in ranking]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: object) -> None:
+        self.policy.record(replica_id.unique_id, route_request(pending_request))
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self.policy.retain({r.replica_id.unique_id for r in replicas})
+
+
+class RoundRobinRouter(PolicyRouter):
+    """Each replica in turn, whatever its load or cache: the baseline the others are measured against."""
+
+    policy_class = RoundRobin
+
+
+class PrefixAffinityRouter(PolicyRouter):
+    """To the replica holding the longest prefix of the prompt, unless it is overloaded (kwargs: `PrefixAffinity`'s)."""
+
+    policy_class = PrefixAffinity
+
+
+class SessionAffinityRouter(PolicyRouter):
+    """A user's requests to one replica by consistent hashing; requests without a user to the least loaded."""
+
+    policy_class = SessionAffinity
+
+
+ROUTERS: dict[str, type[RequestRouter] | None] = {
+    "round_robin": RoundRobinRouter,
+    "least_loaded": None,  # Serve's default: power of two choices
+    "prefix": PrefixAffinityRouter,
+    "session": SessionAffinityRouter,
+}

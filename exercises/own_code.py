@@ -5,7 +5,8 @@ student. A submission fails every test when a graded name comes from minillm (is
 of one, a wrapper around one, or runs code from a minillm file), or when anything in it uses the minillm
 modules that reference.py takes its code from, other than the given names. The check reads the loaded
 module and its source; it never patches minillm, so a grader can still run minillm's code beside the
-student's (chapter 4 drives minillm's Scheduler with the student's block manager).
+student's (chapter 4 drives minillm's Scheduler with the student's block manager). The solutions shipped
+with the exercises (`chNN_name/solution/`) are refused the same way, by module name.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from types import FunctionType, MethodType, ModuleType
@@ -26,6 +28,16 @@ Source = tuple[str, str]  # (minillm module, qualified name in it; "" for the mo
 def is_minillm(name: object) -> bool:
     """Whether `name` is the dotted name of minillm or of something inside it."""
     return isinstance(name, str) and (name == "minillm" or name.startswith("minillm."))
+
+
+def is_solution(name: object) -> bool:
+    """Whether `name` is the dotted name of an exercise's shipped solution, or of something inside it."""
+    return isinstance(name, str) and re.fullmatch(r"exercises\.ch\d\d_\w+\.solution(\..+)?", name) is not None
+
+
+def off_limits(name: object) -> bool:
+    """Whether `name` names code a submission may not hand in as its own: minillm's or a shipped solution's."""
+    return is_minillm(name) or is_solution(name)
 
 
 def graded_names(ref: ModuleType) -> list[str]:
@@ -65,7 +77,7 @@ def minillm_source(obj: object, allowed: tuple[object, ...] = (), _seen: set[int
         return next((s for o in objs if o is not None and (s := minillm_source(o, allowed, seen))), None)
 
     if isinstance(obj, ModuleType):
-        return (obj.__name__, "") if is_minillm(obj.__name__) else None
+        return (obj.__name__, "") if off_limits(obj.__name__) else None
     if isinstance(obj, functools.partial):
         return inner(obj.func)
     if isinstance(obj, (MethodType, staticmethod, classmethod)):
@@ -76,13 +88,13 @@ def minillm_source(obj: object, allowed: tuple[object, ...] = (), _seen: set[int
         for cls in obj.__mro__[:-1]:  # every class but `object`
             if any(cls is a for a in allowed):
                 continue
-            if is_minillm(cls.__module__):
+            if off_limits(cls.__module__):
                 return cls.__module__, cls.__qualname__
             if found := inner(*(v for v in vars(cls).values() if isinstance(v, METHODS))):
                 return found
         return None
     if isinstance(obj, FunctionType):
-        if is_minillm(obj.__module__):
+        if off_limits(obj.__module__):
             return obj.__module__, obj.__qualname__
         if found := _code_source(obj.__code__):
             return found
@@ -102,17 +114,18 @@ def _named(source: str) -> Iterator[tuple[int, str]]:
     aliases = {}  # local name -> the dotted minillm name it stands for
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            for a in (a for a in node.names if is_minillm(a.name)):
+            for a in (a for a in node.names if off_limits(a.name)):
                 yield node.lineno, a.name
                 bound = a.name if a.asname else a.name.split(".")[0]  # `import minillm.x` binds `minillm`
                 aliases[a.asname or bound] = bound
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and is_minillm(node.module):
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
             for a in node.names:
                 full = node.module if a.name == "*" else f"{node.module}.{a.name}"
-                yield node.lineno, full
-                aliases[a.asname or a.name] = full
+                if off_limits(full):  # `from exercises.chNN_x import solution` too
+                    yield node.lineno, full
+                    aliases[a.asname or a.name] = full
     for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and is_minillm(node.value) and all(
+        if isinstance(node, ast.Constant) and off_limits(node.value) and all(
                 part.isidentifier() for part in node.value.split(".")):  # importlib.import_module("minillm.x")
             yield node.lineno, node.value
         chain = []
@@ -147,10 +160,11 @@ def _problems(module: ModuleType, source: str, ref: ModuleType) -> Iterator[str]
         if hasattr(module, name) and (src := minillm_source(getattr(module, name), given)):
             yield f"`{name}` comes from {_dotted(src)}"
     for line, dotted in _named(source):
-        if (src := minillm_source(_resolve(dotted), given)) and src[0] in rebuilt:
+        if (src := minillm_source(_resolve(dotted), given)) and (src[0] in rebuilt or is_solution(src[0])):
             yield f"line {line} uses {dotted}"
     for name, value in vars(module).items():
-        if not name.startswith("__") and (src := minillm_source(value, given)) and src[0] in rebuilt:
+        if not name.startswith("__") and (src := minillm_source(value, given)) and (
+                src[0] in rebuilt or is_solution(src[0])):
             yield f"`{name}` comes from {_dotted(src)}"
 
 

@@ -1,7 +1,7 @@
 """Check every grader: the minillm reference must earn full marks; the untouched stub, a re-export of minillm
 and a copy of reference.py must earn exactly zero; and where an exercise keeps a solution written from its
 stub alone (`solution/<stub name>`), that solution must earn full marks too, which proves the stub's
-signatures and docstrings say everything the grader checks.
+signatures and docstrings say everything the grader checks, while a submission importing it earns zero.
 
 `python -m exercises.selfcheck` prints one line per exercise and exits non-zero on any failure.
 """
@@ -44,14 +44,20 @@ def _problems(reference: list[TestResult], stub: list[TestResult], cheats: dict[
     return lines
 
 
-def _grade_cheats(directory: Path) -> dict[str, list[TestResult]]:
-    """Grade two submissions of minillm's own code: a re-export of its names, and reference.py copied."""
-    reference = directory / "reference.py"
+def _grade_cheats(directory: Path, stub: Path) -> dict[str, list[TestResult]]:
+    """Grade submissions of code that is not the student's: a re-export of minillm's names, reference.py copied,
+    and an import of the solution the exercise ships, if any."""
+    reference, solution = directory / "reference.py", directory / "solution" / stub.name
     with tempfile.TemporaryDirectory() as tmp:
         reexport, copy = Path(tmp) / "reexport.py", Path(tmp) / "reference_copy.py"
         reexport.write_text(reexport_source(reference))
         copy.write_text(reference.read_text())
-        return {"re-export": run_grader(directory, str(reexport)), "reference copy": run_grader(directory, str(copy))}
+        cheats = {"re-export": run_grader(directory, str(reexport)), "reference copy": run_grader(directory, str(copy))}
+        if solution.is_file():
+            imported = Path(tmp) / "solution_import.py"
+            imported.write_text(f"from exercises.{directory.name}.solution.{solution.stem} import *\n")
+            cheats["solution import"] = run_grader(directory, str(imported))
+        return cheats
 
 
 def _grade_solution(directory: Path, stub: Path) -> list[TestResult] | None:
@@ -67,7 +73,7 @@ def check(directory: Path) -> tuple[bool, str]:
     try:
         stub_path = stub_file(directory)
         ref, stub = run_grader(directory, "reference"), run_grader(directory, "stub")
-        cheats = _grade_cheats(directory)
+        cheats = _grade_cheats(directory, stub_path)
         solution = _grade_solution(directory, stub_path)
     except RuntimeError as e:  # a GraderError, or no single stub file
         return False, f"{directory.name}: FAIL  grader error: {e}"

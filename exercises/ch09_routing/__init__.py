@@ -1,0 +1,1 @@
+"""Exercise 9: prefix-affinity routing with a load guard, over the engine's own prefix-cache block hashes."""

@@ -151,9 +151,15 @@ def test_ray_routers_rank_and_learn_without_a_cluster():
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
     from ray.serve.request_router import PendingRequest, RequestRouter
 
-    from minillm.serving.routers import ROUTERS, PrefixAffinityRouter
+    from minillm.engine_args import EngineArgs
+    from minillm.serving.routers import ROUTERS, PrefixAffinityRouter, request_router_config
 
     assert set(ROUTERS) == {"round_robin", "least_loaded", "prefix", "session"} and ROUTERS["least_loaded"] is None
+    assert request_router_config("least_loaded", EngineArgs()) is None
+    config = request_router_config("prefix", EngineArgs(block_size=32, num_kv_blocks=300))
+    assert config.request_router_kwargs == {"block_size": 32, "capacity": 300}  # the engine's blocks and pool
+    with pytest.raises(ValueError, match="not one of"):
+        request_router_config("random", EngineArgs())
     deployment = DeploymentID(name="engine", app_name="minillm")
     routers = {name: cls(deployment_id=deployment, handle_source=DeploymentHandleSource.UNKNOWN,
                          use_replica_queue_len_cache=True) for name, cls in ROUTERS.items() if cls is not None}

@@ -6,13 +6,16 @@ replicas, best first; Serve sends the request to the least-loaded replica of the
 and moves on to the next tier when all of it is full. So each router returns one tier per replica, in its
 policy's order. Loads are Serve's own counts of requests in flight per replica. `ROUTERS` maps the names
 of `serve --router` to a class for `RequestRouterConfig(request_router_class=...)`; None keeps Serve's
-default, power of two choices (two replicas at random, the less loaded wins).
+default, power of two choices (two replicas at random, the less loaded wins). `request_router_config` builds
+that config with what the policy must know of the engine (its block size and KV pool).
 """
 
 from __future__ import annotations
 
+from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from ..engine_args import EngineArgs
 from .routing_policies import PrefixAffinity, RoundRobin, RouteRequest, RoutingPolicy, SessionAffinity
 
 
@@ -26,6 +29,11 @@ class PolicyRouter(RequestRouter):
     """A request router that ranks replicas with a `RoutingPolicy`, built from `request_router_kwargs`."""
 
     policy_class: type[RoutingPolicy]
+
+    @staticmethod
+    def engine_kwargs(engine_args: EngineArgs) -> dict:
+        """The policy's keyword arguments that come from the replicas' engine (none by default)."""
+        return {}
 
     def initialize_state(self, **kwargs) -> None:
         self.policy = self.policy_class(**kwargs)
@@ -63,6 +71,12 @@ class PrefixAffinityRouter(PolicyRouter):
 
     policy_class = PrefixAffinity
 
+    @staticmethod
+    def engine_kwargs(engine_args: EngineArgs) -> dict:
+        """Hash the engine's blocks; record at most a KV pool's worth of them per replica, when its size is set."""
+        return {"block_size": engine_args.block_size,
+                **({"capacity": engine_args.num_kv_blocks} if engine_args.num_kv_blocks else {})}
+
 
 class SessionAffinityRouter(PolicyRouter):
     """A user's requests to one replica by consistent hashing; requests without a user to the least loaded."""
@@ -76,3 +90,12 @@ ROUTERS: dict[str, type[RequestRouter] | None] = {
     "prefix": PrefixAffinityRouter,
     "session": SessionAffinityRouter,
 }
+
+
+def request_router_config(name: str, engine_args: EngineArgs) -> RequestRouterConfig | None:
+    """Serve's config for router `name` of `ROUTERS` over replicas of this engine; None for Serve's default."""
+    if name not in ROUTERS:
+        raise ValueError(f"router {name!r} is not one of {', '.join(ROUTERS)}")
+    cls = ROUTERS[name]
+    return None if cls is None else RequestRouterConfig(request_router_class=cls,
+                                                        request_router_kwargs=cls.engine_kwargs(engine_args))

@@ -1,4 +1,10 @@
-"""The engine loop: requests in, one scheduled forward pass per `step`, token-by-token outputs out."""
+"""The engine loop: requests in, one scheduled forward pass per `step`, token-by-token outputs out.
+
+Chapter 9 adds prefill/decode disaggregation (vLLM's KV connector): with a `kv_connector`, a request added with
+`do_remote_decode` stops after its first token and its output carries a handle (`kv_transfer_params`) while its
+blocks stay held for another instance to pull; a request added with `remote_prefill=handle` waits, blocks
+allocated, until the pulled K/V are installed, then decodes from the handle's first token. The step does both.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ import torch
 
 from .block_manager import BlockManager
 from .config import ModelConfig
+from .disagg.connector import KVConnector
+from .disagg.kv_transfer import KVTransferParams
 from .engine_args import EngineArgs
 from .kernels import triton_available
 from .kv_cache import KVCache, blocks_for_budget
@@ -25,7 +33,7 @@ from .parallel.config import ParallelConfig
 from .parallel.executor import MultiprocExecutor
 from .parallel.pipeline import MicroBatch
 from .quant import quantize_model
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprobs
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
 from .threads import configure_threads
@@ -109,6 +117,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.kv_connector: KVConnector | None = None  # chapter 9: set by an instance of a prefill/decode pair
         # Requests can be added and aborted from any thread; `step` runs in one thread at a time and takes
         # new requests and aborts between forward passes, so the scheduler is only touched inside a step.
         self._lock = threading.Lock()  # guards the next four
@@ -185,25 +194,26 @@ class LLMEngine:
 
     def validate(self, token_ids: list[int]) -> None:
         """Reject a prompt the engine cannot run, before any state changes."""
-        if not token_ids:
-            raise ValueError("prompt is empty: it must contain at least one token")
-        bad = [t for t in token_ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; this model's context is {self.max_model_len}"
-                             " (including at least one generated token)")
+        check_prompt(token_ids, self.config.vocab_size, self.max_model_len)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, *, do_remote_decode: bool = False,
+                    remote_prefill: KVTransferParams | None = None) -> str:
         """Queue a request; it starts running on a later `step`. Returns its id. Safe from any thread.
 
         An automatic id (`request_id=None`) is never one already in use; a given id in use is a ValueError.
+        With a KV connector (chapter 9): `do_remote_decode` prefills for another instance (one completion, one
+        token; the final output's `kv_transfer_params` say where its K/V wait); `remote_prefill` decodes a prompt
+        another instance prefilled (`prompt` must be its `prompt_token_ids`), pulling its K/V first.
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self.tokenize(prompt)
         self.validate(token_ids)
+        if do_remote_decode or remote_prefill is not None:
+            if self.kv_connector is None:
+                raise ValueError("do_remote_decode and remote_prefill need a KV connector (a prefill/decode pair's)")
+            params = self.kv_connector.check_request(token_ids, params, do_remote_decode, remote_prefill)
         metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
                                  prompt_tokens=len(token_ids))
         with self._lock:
@@ -214,6 +224,9 @@ class LLMEngine:
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
             seqs = self._sequences_for(request_id, text, token_ids, params, metrics)
+            seqs[0].do_remote_decode, seqs[0].remote_prefill = do_remote_decode, remote_prefill
+            if remote_prefill is not None and remote_prefill.generator_state is not None and seqs[0].generator:
+                seqs[0].generator.set_state(remote_prefill.generator_state)  # it drew the first token there
             self._requests[request_id] = self.output_processor.add_request(
                 request_id, text, token_ids, params, metrics, seqs)
             self._inbox += seqs
@@ -272,6 +285,10 @@ class LLMEngine:
         with self._lock:
             ids, self._aborts = self._aborts, []
             states = [state for i in ids if (state := self._requests.pop(i, None)) is not None]
+        if self.kv_connector is not None:  # a finished prefill's blocks, held for a decode that will not come
+            for i in set(ids) - {state.request_id for state in states}:
+                if (held := self.kv_connector.release(i)) is not None:
+                    self.block_manager.free(held)
         now = time.perf_counter()
         for state in states:
             for seq in state.seqs:
@@ -296,9 +313,12 @@ class LLMEngine:
                 self.block_manager.free(seq)
 
     def shutdown(self) -> None:
-        """Stop the other ranks' processes of a parallel layout (nothing to do in one process); idempotent."""
+        """Stop the other ranks' processes of a parallel layout (nothing to do in one process) and a KV connector's
+        transfer thread; idempotent."""
         if getattr(self, "executor", None) is not None:
             self.executor.shutdown()
+        if getattr(self, "kv_connector", None) is not None:
+            self.kv_connector.close()
 
     def reset_prefix_cache(self) -> None:
         """Forget the cached prefixes of finished requests (vLLM's name), e.g. between two timed runs."""
@@ -317,7 +337,11 @@ class LLMEngine:
         """Run one scheduled forward pass; return the outputs of every request that has something new."""
         with self._step_lock:
             outputs, self._ready = self._ready + self._apply_aborts(), []
+            if self.kv_connector is not None:
+                outputs += self._finish_kv_transfers()
             scheduled = self.scheduler.schedule()
+            for seq in scheduled.kv_loads:
+                self.kv_connector.start_load_kv(seq)
             if scheduled.seqs:
                 results = self.runner.run(scheduled)
                 outputs += self._apply_aborts()  # aborted while the forward pass ran: their tokens are dropped
@@ -332,6 +356,7 @@ class LLMEngine:
                 seq.num_cached_tokens += n
                 self.block_manager.commit(seq)
         touched: dict[str, RequestState] = {}
+        handles: dict[str, KVTransferParams] = {}
         for seq, token, logprobs, prompt_logprobs in results:
             if seq.is_finished:
                 continue
@@ -340,19 +365,53 @@ class LLMEngine:
                 seq.num_prompt_logprobs += len(prompt_logprobs)
             if token is None:
                 continue  # a prompt chunk: no token yet
-            seq.output_token_ids.append(token)
-            seq.metrics.record_token(now)
-            reason = self.output_processor.on_token(seq, token, logprobs)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
+            if (handle := self._take_token(seq, token, logprobs, now)) is not None:
+                handles[seq.request_id] = handle
             state = seq.completion.request
             touched[state.request_id] = state
+        return self._outputs(touched, now, handles)
+
+    def _take_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None,
+                    when: float) -> KVTransferParams | None:
+        """Append a sequence's new token and finish it if that ends it. A finished prefill for a remote decode
+        keeps its blocks, held by the KV connector; the handle to them is returned."""
+        seq.output_token_ids.append(token)
+        seq.metrics.record_token(when)
+        reason = self.output_processor.on_token(seq, token, logprobs)
+        if reason is None:
+            return None
+        handle = self.kv_connector.request_finished(seq, logprobs) if seq.do_remote_decode else None
+        self.scheduler.finish(seq, reason, free_blocks=handle is None)
+        return handle
+
+    def _outputs(self, touched: dict[str, RequestState], now: float,
+                 handles: dict[str, KVTransferParams] | None = None) -> list[RequestOutput]:
+        """Retire the finished requests among `touched`; the outputs to report (with their KV handles)."""
         for state in touched.values():
             if state.finished:
                 state.metrics.finished_time = now
                 with self._lock:
                     del self._requests[state.request_id]
-        return [out for state in touched.values() if (out := self.output_processor.output(state)) is not None]
+        outputs = [out for state in touched.values() if (out := self.output_processor.output(state)) is not None]
+        for out in outputs if handles else ():
+            out.kv_transfer_params = handles.get(out.request_id)
+        return outputs
+
+    def _finish_kv_transfers(self) -> list[RequestOutput]:
+        """Free the blocks of prefills the decode instance has pulled (or never will); start the decodes whose K/V
+        arrived: each takes the prefill's first token as if it had sampled it here, and runs from the next step."""
+        sent, loaded = self.kv_connector.get_finished()
+        for seq in sent:
+            self.block_manager.free(seq)
+        touched: dict[str, RequestState] = {}
+        for seq, installed in loaded:
+            if seq.is_finished:
+                continue  # aborted while its K/V were on the way
+            handle = seq.remote_prefill
+            self.scheduler.finish_loading(seq, installed)
+            self._take_token(seq, handle.first_token, handle.first_logprobs, handle.first_token_time)
+            touched[seq.completion.request.request_id] = seq.completion.request
+        return self._outputs(touched, time.perf_counter())
 
     def stats(self) -> dict:
         """KV pool occupancy and scheduler counters."""
@@ -363,6 +422,7 @@ class LLMEngine:
             "kv_cache_bytes": self.kv_cache.nbytes,
             "num_waiting": self.num_waiting_seqs(),
             "num_running": len(self.scheduler.running),
+            "num_waiting_for_remote_kvs": len(self.scheduler.loading),
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_hit_tokens": self.block_manager.hit_tokens,
             "prefix_cache_query_tokens": self.block_manager.query_tokens,
@@ -374,3 +434,15 @@ class LLMEngine:
             "tensor_parallel_size": self.parallel.tensor_parallel_size,
             "pipeline_parallel_size": self.parallel.pipeline_parallel_size,
         }
+
+
+def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """Reject a prompt an engine with this vocabulary and context cannot run (ValueError naming why)."""
+    if not token_ids:
+        raise ValueError("prompt is empty: it must contain at least one token")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(token_ids)} tokens; this model's context is {max_model_len}"
+                         " (including at least one generated token)")

@@ -9,6 +9,7 @@ The size formula and the concurrency it allows after the weights are here too.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -152,13 +153,11 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        scales = 0 if self.k_scale is None else self.k_scale.nbytes + self.v_scale.nbytes
-        return self.k.nbytes + self.v.nbytes + scales
+        return sum(p.nbytes for p in self._pools())
 
     def __post_init__(self) -> None:
         # views, made once rather than every step
-        parts = (self.k, self.v) if self.k_scale is None else (self.k, self.v, self.k_scale, self.v_scale)
-        self._layers = list(zip(*(t.unbind(0) for t in parts)))
+        self._layers = list(zip(*(t.unbind(0) for t in self._pools())))
 
     def layer(self, i: int) -> tuple[torch.Tensor, ...]:
         """The K and V pools of layer i, `[num_blocks, block_size, num_kv_heads, head_dim]` each (then, for a
@@ -167,14 +166,33 @@ class KVCache:
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block `src` onto block `dst` in every layer (copy-on-write of a shared block)."""
-        for pool in (self.k, self.v, self.k_scale, self.v_scale):
-            if pool is not None:
-                pool[:, dst].copy_(pool[:, src])
+        for pool in self._pools():
+            pool[:, dst].copy_(pool[:, src])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write before a step: each `(src, dst)` block pair, in order."""
         for src, dst in copies:
             self.copy_block(src, dst)
+
+    def _pools(self) -> list[torch.Tensor]:
+        return [p for p in (self.k, self.v, self.k_scale, self.v_scale) if p is not None]
+
+    def pack_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Chapter 9 — the given blocks of every layer as one flat byte tensor on the CPU, ready to send: K, then V,
+        then (quantized pools) their scales, each `[num_layers, len(block_ids), block_size, ...]` in order."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
+        return torch.cat([p.view(torch.uint8).index_select(1, index).reshape(-1) for p in self._pools()]).cpu()
+
+    def unpack_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Chapter 9 — write bytes made by `pack_blocks` (of a pool of the same layout) into the given blocks."""
+        pools = [p.view(torch.uint8) for p in self._pools()]  # bytes: one path for every dtype, scales included
+        shapes = [(p.shape[0], len(block_ids), *p.shape[2:]) for p in pools]
+        sizes = [math.prod(shape) for shape in shapes]
+        if data.numel() != sum(sizes):
+            raise ValueError(f"got {data.numel()} bytes for {len(block_ids)} blocks; this pool needs {sum(sizes)}")
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
+        for pool, shape, part in zip(pools, shapes, data.to(self.k.device).split(sizes)):
+            pool.index_copy_(1, index, part.view(shape))
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:

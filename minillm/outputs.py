@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .metrics import RequestMetrics
+
+if TYPE_CHECKING:
+    from .disagg.kv_transfer import KVTransferParams
 
 # One position's log-probabilities: the token there and the top alternatives, by token id.
 PositionLogprobs = dict[int, "Logprob"]
@@ -45,7 +49,8 @@ class CompletionOutput:
 class RequestOutput:
     """A request's prompt, completions so far, whether it finished, and its timing record.
 
-    `prompt_logprobs`, when asked for, has one entry per prompt token, the first `None`.
+    `prompt_logprobs`, when asked for, has one entry per prompt token, the first `None`. `kv_transfer_params`
+    is the handle a prefill for a remote decode hands over (chapter 9), else None.
     """
 
     request_id: str
@@ -55,3 +60,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logprobs: list[PositionLogprobs | None] | None = field(default=None)
+    kv_transfer_params: KVTransferParams | None = None

@@ -6,6 +6,10 @@ oldest first, as long as a small watermark of blocks stays free for the running 
 siblings of an n > 1 request wait until the first has computed the shared prompt). A
 finished sequence leaves at once and frees its blocks; when blocks run out anyway, the newest running
 sequence is preempted (its blocks freed, to be recomputed later).
+
+A decode whose prompt another instance prefilled (chapter 9) is admitted like any other request, but instead
+of running it waits in `loading` (WAITING_FOR_REMOTE_KVS) with its blocks allocated, until the engine has
+installed the K/V it pulled; then it runs from its first token.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    kv_loads: list[Sequence] = field(default_factory=list)  # just allocated: pull their prompts' K/V (chapter 9)
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -41,13 +46,14 @@ class Scheduler:
         self.watermark_blocks = int(WATERMARK * block_manager.num_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loading: list[Sequence] = []  # allocated, waiting for their K/V from a remote prefill
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def schedule(self) -> SchedulerOutput:
         """Fill this step's token budget: running sequences first, then new ones."""
@@ -65,13 +71,18 @@ class Scheduler:
                 out.block_copies += bm.grow(seq, seq.num_cached_tokens + n)
                 out.add(seq, n)
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.waits_for_leader(bm.block_size):
                 break  # a sibling of an n > 1 request: next step its prompt blocks are in the cache
             if not bm.allocate(seq, reserve=self.watermark_blocks if self.running else 0):
                 break
             self.waiting.popleft()
+            if seq.remote_prefill is not None:  # its prompt's K/V come from the prefill instance
+                seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
+                self.loading.append(seq)
+                out.kv_loads.append(seq)
+                continue
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
@@ -88,11 +99,27 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Mark a sequence finished and release its blocks."""
+    def finish_loading(self, seq: Sequence, installed: bool) -> None:
+        """A remote prefill's K/V are installed in the sequence's blocks: it decodes from the next step on. Or the
+        prefill instance no longer had them: the sequence goes back to the front of the queue to be computed here,
+        as after a preemption."""
+        self.loading.remove(seq)
+        seq.remote_prefill = None
+        if installed:
+            seq.num_cached_tokens = len(seq.prompt_token_ids)
+            self.block_manager.commit(seq)  # later requests with the same prefix find it here
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        else:
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str, free_blocks: bool = True) -> None:
+        """Mark a sequence finished and release its blocks (unless they are held for another instance to pull)."""
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        for queue in (self.running, self.waiting, self.loading):
+            if seq in queue:
+                queue.remove(seq)
+        if free_blocks:
+            self.block_manager.free(seq)

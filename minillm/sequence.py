@@ -12,11 +12,13 @@ from .metrics import RequestMetrics
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from .disagg.kv_transfer import KVTransferParams
     from .output_processor import CompletionState
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # blocks allocated; the prompt's K/V are on their way (ch. 9)
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -43,6 +45,10 @@ class Sequence:
     # the tokens that end it: EOS unless ignore_eos, and params.stop_token_ids (min_tokens keeps them out)
     stop_token_ids: frozenset[int] = frozenset()
     completion: CompletionState | None = None  # its text and log-probs as the caller sees them
+    # chapter 9, prefill/decode disaggregation: a prefill whose blocks are held for a decode instance to pull,
+    # and a decode whose prompt's K/V another instance computed (cleared once they are installed here)
+    do_remote_decode: bool = False
+    remote_prefill: KVTransferParams | None = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -100,17 +100,18 @@ class Comm:
         self._record("all_to_all", (sum(send_counts) - send_counts[self.rank]) * row, start)
         return out
 
-    def send(self, t: torch.Tensor, dst: int) -> dist.Work:
-        """Start sending `t` to rank `dst`; the returned handle's `wait()` finishes it."""
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> dist.Work:
+        """Start sending `t` to rank `dst`; the returned handle's `wait()` finishes it. A receive matches the sends
+        of its `tag` in order."""
         start = time.perf_counter()
-        work = dist.isend(t, group_dst=dst, group=self.group)
+        work = dist.isend(t, group_dst=dst, group=self.group, tag=tag)
         self._record("send", t.nbytes, start)
         return work
 
-    def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        """Fill `t` with what rank `src` sends (the time counted is the time waited)."""
+    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        """Fill `t` with what rank `src` sends with `tag` (the time counted is the time waited)."""
         start = time.perf_counter()
-        dist.irecv(t, group_src=src, group=self.group).wait()
+        dist.irecv(t, group_src=src, group=self.group, tag=tag).wait()
         self._record("recv", 0, start)
         return t
 

@@ -41,7 +41,7 @@ class MultiprocExecutor:
                        for rank in range(1, parallel.world_size)]
         for p in self._procs:
             p.start()
-        self._stopper = weakref.finalize(self, _stop, self._procs)  # also at interpreter exit
+        self._stopper = weakref.finalize(self, stop_processes, self._procs)  # also at interpreter exit
         try:
             self.ctx = init_parallel(parallel, 0, port, device)
             self.model = load_model(path, config, dtype, device, load_format, ctx=self.ctx)
@@ -97,16 +97,16 @@ class MultiprocExecutor:
             stop.join(timeout=10)
             told = not stop.is_alive()
         self._stopper.detach()
-        _stop(self._procs, grace=10.0 if told else 0.0)
+        stop_processes(self._procs, grace=10.0 if told else 0.0)
 
     def _say_stop(self) -> None:
         try:
             self.ctx.control.broadcast_object(STOP)
         except RuntimeError:
-            pass  # a worker is already gone: the rest are stopped by `_stop`
+            pass  # a worker is already gone: the rest are stopped by `stop_processes`
 
 
-def _stop(procs, grace: float = 0.0) -> None:
+def stop_processes(procs, grace: float = 0.0) -> None:
     """Wait up to `grace` seconds for each process to exit, then kill the rest."""
     for p in procs:
         p.join(timeout=grace)

@@ -55,7 +55,7 @@ class ParallelContext:
         return self.config.layer_range(num_layers, self.pp_rank)
 
 
-def _group(backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
+def new_group(backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
     """A process group of `size` ranks over `store`; gloo's connections on the loopback interface only."""
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
@@ -74,11 +74,11 @@ def init_parallel(config: ParallelConfig, rank: int, port: int, device: torch.de
     backend = "nccl" if device.type == "cuda" else "gloo"
     wait = timedelta(seconds=timeout)
     store = loopback_store(rank, config.world_size, port)
-    world = Comm(_group(backend, dist.PrefixStore("world", store), rank, config.world_size, wait))
-    control = Comm(_group("gloo", dist.PrefixStore("control", store), rank, config.world_size, wait))
+    world = Comm(new_group(backend, dist.PrefixStore("world", store), rank, config.world_size, wait))
+    control = Comm(new_group("gloo", dist.PrefixStore("control", store), rank, config.world_size, wait))
     tp = None
     if config.tensor_parallel_size > 1:
         stage = config.pp_rank(rank)
-        tp = Comm(_group(backend, dist.PrefixStore(f"tp{stage}", store), config.tp_rank(rank),
+        tp = Comm(new_group(backend, dist.PrefixStore(f"tp{stage}", store), config.tp_rank(rank),
                          config.tensor_parallel_size, wait))
     return ParallelContext(config, rank, world, tp, control)

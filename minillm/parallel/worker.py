@@ -34,7 +34,7 @@ def report(ctx: ParallelContext, trace: list) -> dict:
     return out
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """Ask Linux to kill this process when its parent dies, so a crashed `LLM` leaves no worker behind."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -48,7 +48,7 @@ def worker_main(rank: int, parent_pid: int, path, config: ModelConfig, parallel:
     from ..kv_cache import KVCache
     from ..model import load_model
 
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     torch.set_num_threads(threads)
     device = torch.device(device_type if device_type == "cpu" else f"{device_type}:{rank}")
     try:

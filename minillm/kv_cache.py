@@ -177,17 +177,26 @@ class KVCache:
     def _pools(self) -> list[torch.Tensor]:
         return [p for p in (self.k, self.v, self.k_scale, self.v_scale) if p is not None]
 
+    def _as_bytes(self, num_blocks: int) -> tuple[list[torch.Tensor], list[tuple[int, ...]], list[int]]:
+        """Every pool viewed as bytes (one path for every dtype, scales included), the shape `num_blocks` of its
+        blocks take in every layer, and their sizes: how `pack_blocks` lays blocks out, one pool after another."""
+        pools = [p.view(torch.uint8) for p in self._pools()]
+        shapes = [(p.shape[0], num_blocks, *p.shape[2:]) for p in pools]
+        return pools, shapes, [math.prod(shape) for shape in shapes]
+
     def pack_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Chapter 9 — the given blocks of every layer as one flat byte tensor on the CPU, ready to send: K, then V,
         then (quantized pools) their scales, each `[num_layers, len(block_ids), block_size, ...]` in order."""
+        pools, shapes, sizes = self._as_bytes(len(block_ids))
         index = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
-        return torch.cat([p.view(torch.uint8).index_select(1, index).reshape(-1) for p in self._pools()]).cpu()
+        data = torch.empty(sum(sizes), dtype=torch.uint8, device=self.k.device)
+        for pool, shape, part in zip(pools, shapes, data.split(sizes)):
+            torch.index_select(pool, 1, index, out=part.view(shape))
+        return data.cpu()
 
     def unpack_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Chapter 9 — write bytes made by `pack_blocks` (of a pool of the same layout) into the given blocks."""
-        pools = [p.view(torch.uint8) for p in self._pools()]  # bytes: one path for every dtype, scales included
-        shapes = [(p.shape[0], len(block_ids), *p.shape[2:]) for p in pools]
-        sizes = [math.prod(shape) for shape in shapes]
+        pools, shapes, sizes = self._as_bytes(len(block_ids))
         if data.numel() != sum(sizes):
             raise ValueError(f"got {data.numel()} bytes for {len(block_ids)} blocks; this pool needs {sum(sizes)}")
         index = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,6 +29,7 @@ from starlette.middleware.cors import CORSMiddleware
 from .async_llm import AsyncLLM, EngineDeadError, EngineOverloaded, EngineUnavailable
 from .chat import chat_completion, template_error
 from .completions import completion
+from .gateway import RateLimit, RateLimiter
 from .limits import ServerLimits
 from .middleware import ApiKeyAuth, BodyLimit, RequestId, error_response, internal_error
 from .prometheus import ServerMetrics
@@ -35,6 +37,9 @@ from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeReques
 from .serving_engine import ClientDisconnected, Served, Stream, close_all
 
 MAX_BODY_BYTES = 4 << 20  # a request body above this is refused (413) before it is read whole
+# The request's OpenAI `user` field while its handler runs: chapter 9's RemoteLLM hands it to the replica
+# router (session affinity) without widening the engine interface the handlers use.
+REQUEST_USER: ContextVar[str | None] = ContextVar("minillm_request_user", default=None)
 log = logging.getLogger("minillm.serving")
 
 
@@ -77,11 +82,12 @@ _SHAPES = {"str", "int", "float", "bool", "list", "dict", "none", "Message", "St
 
 def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None, api_key: str | None = None,
               allowed_origins: list[str] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-              on_started: Callable[[], None] | None = None) -> FastAPI:
+              on_started: Callable[[], None] | None = None, rate_limit: RateLimit | None = None) -> FastAPI:
     """The app; its lifespan starts the engine loop (then calls `on_started`) and stops it at shutdown.
 
     `api_key`: every route but /health, /metrics and /version needs it as a bearer token. `allowed_origins`:
-    browsers on these origins may call the API (CORS); none by default.
+    browsers on these origins may call the API (CORS); none by default. `rate_limit`: each client's
+    token bucket (chapter 9's gateway), keyed by its API key when one is required.
     """
     served = Served(llm, model_name, limits or ServerLimits())
     metrics = ServerMetrics(llm, model_name)
@@ -98,6 +104,8 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
 
     app = FastAPI(title="minillm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if rate_limit is not None:
+        app.add_middleware(RateLimiter, limit=rate_limit, by_api_key=bool(api_key))
     if api_key:
         app.add_middleware(ApiKeyAuth, api_key=api_key)
     app.add_middleware(RequestId)
@@ -155,10 +163,12 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
+        REQUEST_USER.set(req.user)
         return await respond(await completion(served, req, disconnected(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
+        REQUEST_USER.set(req.user)
         return await respond(await chat_completion(served, req, disconnected(request)))
 
     def model_card() -> dict:

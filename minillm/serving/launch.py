@@ -24,9 +24,17 @@ from ..engine_args import EngineArgs
 from ..weights import DEFAULT_MODEL
 from .api_server import build_app
 from .async_llm import AsyncLLM
+from .gateway import RateLimit
 from .limits import ServerLimits
 
 API_KEY_ENV = "MINILLM_API_KEY"  # the API key when --api-key is not given
+AUTOSCALING_FLAGS = (  # Serve's autoscaling_config, one flag per field
+    ("--min-replicas", int, "autoscaling: fewest replicas (default: 1)"),
+    ("--max-replicas", int, "autoscale between --min-replicas and this many replicas, starting at --replicas"),
+    ("--target-ongoing-requests", float, "autoscaling: requests in flight per replica to aim at (default: Serve's, 2)"),
+    ("--upscale-delay-s", float, "autoscaling: seconds of high load before adding a replica (default: Serve's, 30)"),
+    ("--downscale-delay-s", float, "autoscaling: seconds of low load before removing one (default: Serve's, 600)"),
+)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -146,18 +154,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                         help="web pages from these origins may call the API (CORS), e.g. http://localhost:3000 "
                              "or *; default: none")
+    parser.add_argument("--rate-limit", type=float, default=None, metavar="RPS",
+                        help="requests per second each client may send (keyed by API key, else address); "
+                             "beyond it a 429 with Retry-After; default: no limit")
+    parser.add_argument("--rate-limit-burst", type=int, default=None, metavar="N",
+                        help="requests a client may send at once before --rate-limit applies (default: RPS)")
+    scale = parser.add_argument_group("replicas", "chapter 9: several engines behind one endpoint, on Ray Serve")
+    scale.add_argument("--replicas", type=int, default=1,
+                       help="engine replicas, one process each; more than 1 serves them on Ray Serve, on a local "
+                            "Ray instance that listens on 127.0.0.1 only (default: 1, chapter 8's server)")
+    scale.add_argument("--router", default=None,
+                       help="how a request picks its replica: round_robin, least_loaded, prefix or session "
+                            "(default: Serve's, power of two choices)")
+    scale.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="join this Ray cluster (auto, or HOST:PORT) instead of starting a local instance")
+    for flag, kind, text in AUTOSCALING_FLAGS:
+        scale.add_argument(flag, type=kind, default=None, help=text)
     ServerLimits.add_cli_args(parser)
     EngineArgs.add_cli_args(parser)
 
 
+def autoscaling_from_cli(args: argparse.Namespace) -> dict | None:
+    """Serve's autoscaling fields from `--max-replicas` and the flags beside it; None without `--max-replicas`."""
+    names = [flag[2:].replace("-", "_") for flag, _, _ in AUTOSCALING_FLAGS]
+    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if given and "max_replicas" not in given:
+        raise ValueError(f"{', '.join('--' + k.replace('_', '-') for k in given)}: autoscaling needs --max-replicas")
+    return given or None
+
+
 def serve(args: argparse.Namespace) -> int:
-    """Load the model, serve until SIGINT/SIGTERM, drain; exit 0, or 1 if the engine failed."""
+    """Load the model, serve until SIGINT/SIGTERM, drain; exit 0, or 1 if the engine failed. With more than one
+    replica (or `--ray-address`, or autoscaling), chapter 9's service on Ray Serve instead (`ray_app`)."""
     import torch
 
     from ..engine import LLMEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     limits = ServerLimits.from_cli_args(args)  # a bad limit is refused before the model loads
+    if args.rate_limit_burst is not None and args.rate_limit is None:
+        raise ValueError("--rate-limit-burst needs --rate-limit")
+    rate_limit = RateLimit(args.rate_limit, args.rate_limit_burst) if args.rate_limit is not None else None
+    app_kw = dict(limits=limits, api_key=args.api_key or os.environ.get(API_KEY_ENV),
+                  allowed_origins=args.allowed_origins, rate_limit=rate_limit)
+    autoscaling = autoscaling_from_cli(args)
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.replicas > 1 or args.ray_address is not None or autoscaling is not None:
+        from .ray_app import serve_on_ray
+
+        return serve_on_ray(args, autoscaling, app_kw)
+    if args.router is not None:
+        raise ValueError("--router chooses among replicas: give --replicas N with N > 1")
     engine = LLMEngine(EngineArgs.from_cli_args(args))
     name = args.served_model_name or (engine.path.name if args.model else DEFAULT_MODEL)
     llm = AsyncLLM(engine, max_waiting_requests=args.max_waiting_requests)
@@ -168,8 +216,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"minillm: serving {name} at http://{host}:{port}/v1 on {engine.device} "
               f"({torch.get_num_threads()} threads); Ctrl-C to stop", flush=True)
 
-    app = build_app(llm, name, limits, api_key=args.api_key or os.environ.get(API_KEY_ENV),
-                    allowed_origins=args.allowed_origins, on_started=ready)
+    app = build_app(llm, name, on_started=ready, **app_kw)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("debug", "info"))
     server = _Server(config, llm, args.drain_seconds)
     server.run(sockets=[sock])

@@ -1,0 +1,196 @@
+"""Chapter 9 — the service on Ray Serve: chapter 8's OpenAI app at the ingress, engine replicas behind it.
+
+Two deployments make one Serve application. `LLMServer` (replica.py) runs the engines, one process each.
+`OpenAIIngress` runs chapter 8's app, unchanged, over a `RemoteLLM` (remote_llm.py), behind Serve's HTTP
+proxy; the request router that picks a replica for each request is configured on `LLMServer` and runs in
+the ingress's handle. Serve keeps the replica count (fixed, or autoscaled between bounds on the requests in
+flight per replica) and restarts a replica whose process dies. `RayService` starts all of it and always
+stops all of it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from ray import serve
+
+from ..engine import default_device_dtype
+from ..engine_args import EngineArgs
+from ..threads import available_cores
+from ..weights import DEFAULT_MODEL, resolve_model
+from .api_server import build_app
+from .ray_cluster import LOOPBACK, QUIET, listen_on_node_ip, start_ray, start_serve
+from .remote_llm import IngressHeaders, RemoteLLM
+from .replica import LLMServer
+
+APP_NAME = "minillm"
+INGRESS_MAX_ONGOING_REQUESTS = 100_000  # every HTTP request passes the one ingress; the app's own 429 is the limit
+HEALTH_CHECK_PERIOD_S = 2.0  # how soon Serve notices a replica that stopped answering and starts another
+
+
+@serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class OpenAIIngress:
+    """Chapter 8's app (`build_app`) over the replicas, with `x-minillm-replica` on what they served."""
+
+    def __init__(self, llm, model: str, model_name: str, max_waiting_requests: int | None, app_kw: dict):
+        listen_on_node_ip()
+        self.llm = RemoteLLM(llm, model, max_waiting_requests)
+        self.model_name, self.app_kw = model_name, app_kw
+
+    def __serve_build_asgi_app__(self):
+        app = build_app(self.llm, self.model_name, **self.app_kw)
+        app.add_middleware(IngressHeaders)
+        return app
+
+
+def replica_resources(engine_args: EngineArgs, max_replicas: int) -> tuple[int, dict]:
+    """Each replica's threads and Ray resources: the machine's cores (and GPUs) shared among the replicas, unless
+    `num_threads` is given. Replicas sharing a GPU need their KV caches sized (each would take 85% of it)."""
+    cores = available_cores()
+    threads = engine_args.num_threads or max(1, cores // max_replicas)
+    resources = {"num_cpus": min(threads, cores / max_replicas)}  # so that every replica fits on this machine
+    if default_device_dtype(engine_args.device, None)[0].type == "cuda":
+        resources["num_gpus"] = min(1.0, torch.cuda.device_count() / max_replicas)
+        if resources["num_gpus"] < 1 and engine_args.num_kv_blocks is None:
+            raise ValueError(f"{max_replicas} replicas would share {torch.cuda.device_count()} GPU(s): set "
+                             "num_kv_blocks (--num-kv-blocks) so their KV caches fit side by side")
+    return threads, resources
+
+
+def build_application(engine_args: EngineArgs, replicas: int = 2, router: str | None = None,
+                      autoscaling: dict | None = None, model_name: str | None = None,
+                      max_waiting_requests: int | None = 256, drain_seconds: float = 0.0,
+                      **app_kw) -> serve.Application:
+    """The Serve application: `replicas` engines (or `autoscaling`, Serve's AutoscalingConfig fields, starting
+    at `replicas`), routed by `router` (a name in `routers.ROUTERS`; None: Serve's default), behind the app.
+    `app_kw` goes to `build_app` (limits, api_key, allowed_origins, rate_limit)."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be at least 1, got {replicas}")
+    path = resolve_model(engine_args.model)  # once, here, so every process loads the same directory
+    max_replicas = autoscaling["max_replicas"] if autoscaling else replicas
+    threads, resources = replica_resources(engine_args, max_replicas)
+    options = dict(ray_actor_options=resources, health_check_period_s=HEALTH_CHECK_PERIOD_S,
+                   max_ongoing_requests=engine_args.max_num_seqs + (max_waiting_requests or engine_args.max_num_seqs),
+                   graceful_shutdown_timeout_s=drain_seconds, graceful_shutdown_wait_loop_s=0.1,
+                   logging_config={"log_level": QUIET})
+    if autoscaling:
+        if autoscaling.get("min_replicas", 1) < 1:
+            raise ValueError("min_replicas must be at least 1: the ingress takes the context length from a replica")
+        options["autoscaling_config"] = {"initial_replicas": replicas, **autoscaling}
+    else:
+        options["num_replicas"] = replicas
+    if router is not None:
+        from .routers import request_router_config
+
+        if (config := request_router_config(router, engine_args)) is not None:
+            options["request_router_config"] = config
+    llm = LLMServer.options(**options).bind(replace(engine_args, model=str(path), num_threads=threads))
+    name = model_name or (path.name if engine_args.model else DEFAULT_MODEL)
+    return OpenAIIngress.options(max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+                                 graceful_shutdown_timeout_s=drain_seconds, graceful_shutdown_wait_loop_s=0.1,
+                                 logging_config={"log_level": QUIET}).bind(
+        llm, str(path), name, max_waiting_requests, app_kw)
+
+
+def free_port(host: str) -> int:
+    """A port nothing listens on now, for Serve's proxy (which cannot be handed a socket)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class RayService:
+    """The service on Ray, started and stopped as one: `with RayService(EngineArgs(...), replicas=2) as svc:`.
+
+    Without `ray_address`, a local Ray instance is started for it on 127.0.0.1 with this machine's cores;
+    `url` is the base URL (`.../v1` for clients). Stopping deletes the application and shuts Ray down, also
+    when starting failed half way. Other keywords go to `build_application`.
+    """
+
+    def __init__(self, engine_args: EngineArgs | None = None, *, ray_address: str | None = None,
+                 host: str = LOOPBACK, port: int = 0, **app_options):
+        self.engine_args = engine_args or EngineArgs()
+        self.ray_address, self.host, self.port = ray_address, host, port
+        self.app_options = app_options
+        self.url: str | None = None
+
+    def start(self) -> RayService:
+        app = build_application(self.engine_args, **self.app_options)  # a bad option fails before Ray starts
+        try:
+            start_ray(self.ray_address, available_cores())
+            port = self.port or free_port(self.host)
+            start_serve(self.host, port)
+            serve.run(app, name=APP_NAME, route_prefix="/")
+            self.url = f"http://{self.host}:{port}"
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Delete the application (replicas drain for `drain_seconds`), then shut Ray down."""
+        import ray
+
+        try:
+            if self.url is not None:
+                serve.delete(APP_NAME)
+        finally:
+            self.url = None
+            ray.shutdown()
+
+    def replica_stats(self) -> list[dict]:
+        """Every replica's `LLMServer.stats()` (replica id, pid, KV cache, queues)."""
+        handle = serve.get_deployment_handle(LLMServer.name, APP_NAME)
+        with ThreadPoolExecutor(1) as pool:  # a notebook's cell runs inside an event loop, where Serve will not block
+            return pool.submit(lambda: handle.broadcast("stats").results(timeout_s=30)).result()
+
+    def kill_replica(self, replica_id: str | None = None) -> dict:
+        """Kill one replica's process (SIGKILL, as a crash would), by id or the first found; returns its stats.
+        Serve starts a replacement. Local instances only: the pid is this machine's."""
+        stats = [s for s in self.replica_stats() if replica_id in (None, s["replica_id"])]
+        if not stats:
+            raise ValueError(f"no replica {replica_id!r}")
+        os.kill(stats[0]["pid"], signal.SIGKILL)
+        return stats[0]
+
+    def __enter__(self) -> RayService:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve_on_ray(args, autoscaling: dict | None, app_kw: dict) -> int:
+    """`python -m minillm serve --replicas N ...`: run the service until SIGINT/SIGTERM, then stop it; exit 0.
+    `autoscaling`: Serve's autoscaling fields (launch.py's flags); `app_kw` goes to `build_app`."""
+    name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL)
+    service = RayService(EngineArgs.from_cli_args(args), ray_address=args.ray_address, host=args.host,
+                         port=args.port, replicas=args.replicas, router=args.router,
+                         autoscaling=autoscaling, model_name=name,
+                         max_waiting_requests=args.max_waiting_requests, drain_seconds=args.drain_seconds, **app_kw)
+    try:
+        service.start()
+    except KeyboardInterrupt:  # Ctrl-C while the replicas load: start() has already stopped what it began
+        return 0
+    stopping = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets a SIGTERM handler of its own
+        signal.signal(sig, lambda *_: stopping.set())
+    scaling = (f"{args.replicas} replicas" if not args.max_replicas
+               else f"{args.replicas} replicas (autoscaled up to {args.max_replicas})")
+    print(f"minillm: serving {name} at {service.url}/v1 with {scaling} on Ray Serve "
+          f"(router: {args.router or 'power of two choices'}); Ctrl-C to stop", flush=True)
+    try:
+        stopping.wait()
+    finally:
+        service.stop()
+    print("minillm: stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,282 @@
+"""Chapter 9 — chapter 8's engine interface with the engines elsewhere: `RemoteLLM` forwards it to replicas.
+
+The OpenAI app reaches its engine only through `AsyncLLM`'s narrow interface, so `RemoteLLM` implements the
+same methods at the ingress and the same app fronts any number of replicas unchanged. Text stays here: the
+ingress tokenizes and applies the chat template with its own tokenizer (the engine's own code, run on it),
+so a replica receives token ids and the router can look at them. Each request is one streamed call through
+a Serve `DeploymentHandle` (`handle.options(stream=True)`); its outputs land in chapter 8's `RequestStream`,
+so a handler reads them exactly as it would a local engine's. Twice a second every replica is asked for its
+stats (`handle.broadcast`): `/metrics` shows their sum, and when no replica answers, requests get a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from ..config import ModelConfig
+from ..engine import LLMEngine
+from ..output_processor import OutputProcessor
+from ..sampling import SamplingParams
+from .api_server import REQUEST_USER
+from .async_llm import AsyncLLM, EngineDeadError, EngineOverloaded, EngineUnavailable, RequestStream
+from .protocol import OpenAIError
+
+log = logging.getLogger("minillm.serving")
+STATS_PERIOD_S = 0.5  # how often the replicas' stats are polled
+STATS_TIMEOUT_S = 5.0  # a replica that has not answered by then is counted as gone
+ADDITIVE = ("kv_blocks_total", "kv_blocks_free", "kv_cache_bytes", "num_waiting", "num_running", "num_preemptions",
+            "prefix_cache_hit_tokens", "prefix_cache_query_tokens", "num_unfinished")
+
+
+@dataclass(eq=False)
+class RemoteCall:
+    """One request in flight on a replica: the stream its reader holds, the Serve call feeding it, and the
+    replica's id once it has announced itself (None if the call failed first)."""
+
+    stream: RequestStream
+    response: object  # ray.serve.handle.DeploymentResponseGenerator
+    replica: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    pump: asyncio.Task | None = None
+
+    def settle(self, replica_id: str | None) -> None:
+        if not self.replica.done():
+            self.replica.set_result(replica_id)
+
+
+# The calls made while one HTTP request is handled (set by `IngressHeaders`), so its response can name them.
+CALLS: ContextVar[list[RemoteCall] | None] = ContextVar("minillm_remote_calls", default=None)
+
+
+class RemoteLLM:
+    """`AsyncLLM`'s interface (see its docstring) over the replicas of a Serve deployment (`replica.LLMServer`).
+
+    A sequence counts as waiting from the moment it is sent until the next stats poll, then as the replicas
+    report it; `max_waiting_requests` bounds that sum, as it bounds one engine's waiting queue.
+    """
+
+    def __init__(self, handle, model: str | Path, max_waiting_requests: int | None = None):
+        self.handle = handle  # a DeploymentHandle to the replicas
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model))
+        self.config = ModelConfig.from_dir(Path(model))
+        self.max_waiting_requests = max_waiting_requests
+        self.listeners: list = []  # called with each output as it arrives (the app's Prometheus metrics)
+        self.failure_listeners: list = []  # never called: a failed replica is restarted by Serve, not fatal here
+        self.error: BaseException | None = None
+        self.open_streams = 0
+        self.max_model_len = 0
+        self.replicas: dict[str, dict] = {}  # replica id -> its stats, for those that answered the last poll
+        self._stats: dict = {}
+        self._calls: dict[str, RemoteCall] = {}
+        self._sent = 0  # sequences sent since the last poll began
+        self._accepting = False
+        self._poller: asyncio.Task | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Wait until a replica answers (its stats give the context length), then poll them all."""
+        while not self.replicas:
+            await self.poll()
+            if not self.replicas:
+                await asyncio.sleep(STATS_PERIOD_S)
+        self.max_model_len = min(s["max_model_len"] for s in self.replicas.values())
+        self._text = OutputProcessor(self.tokenizer, set(), self.max_model_len)
+        self._accepting = True
+        self._poller = asyncio.create_task(self._poll_forever())
+
+    async def stop(self) -> None:
+        self._accepting = False
+        if self._poller is not None:
+            self._poller.cancel()
+        self.abort_all()
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and bool(self.replicas)
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    # --- requests --------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+        """Send a request to a replica (the router picks it) and return its stream; checks raise here, at once."""
+        if not self.accepting:
+            raise EngineUnavailable("no engine replica is answering; try again shortly" if self._accepting
+                                    else "the server is shutting down")
+        self.check_room(params.n)
+        if request_id in self._calls:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate(token_ids)
+        response = self.handle.options(stream=True).generate.remote(
+            prompt_token_ids=token_ids, params=params, request_id=request_id, user=REQUEST_USER.get())
+        call = RemoteCall(RequestStream(self, request_id, params.output_kind), response)
+        call.pump = asyncio.create_task(self._pump(request_id, call))
+        self._calls[request_id] = call
+        self._sent += params.n
+        if (calls := CALLS.get()) is not None:
+            calls.append(call)
+        return call.stream
+
+    async def _pump(self, request_id: str, call: RemoteCall) -> None:
+        """Move the replica's outputs into the request's stream; a failure becomes the stream's error."""
+        finished = False
+        try:
+            async for item in call.response:
+                if isinstance(item, str):  # the replica's id comes first
+                    call.settle(item)
+                    continue
+                for listener in self.listeners:
+                    listener([item])
+                finished = item.finished
+                call.stream.queue.put_nowait(item)
+            if not finished:
+                raise EngineUnavailable("the replica ended the stream before the request finished")
+        except Exception as e:
+            call.stream.queue.put_nowait(replica_error(e))
+        finally:
+            call.settle(None)
+            if self._calls.get(request_id) is call:
+                del self._calls[request_id]
+
+    def check_room(self, num_seqs: int) -> None:
+        """EngineOverloaded unless `num_seqs` more sequences may wait (reported by the replicas, or sent since)."""
+        waiting = sum(s["num_waiting"] for s in self.replicas.values()) + self._sent
+        if self.max_waiting_requests is not None and waiting + num_seqs > self.max_waiting_requests:
+            raise EngineOverloaded(f"{waiting} sequences are waiting (limit {self.max_waiting_requests}); "
+                                   "try again shortly")
+
+    generate = AsyncLLM.generate  # the same loop: add the request, yield its outputs, close its stream
+
+    async def abort(self, request_id: str) -> None:
+        self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Cancel the call (the replica aborts the request and frees its blocks); a reader still there gets a 503."""
+        call = self._calls.pop(request_id, None)
+        if call is None:
+            return
+        call.response.cancel()
+        call.pump.cancel()
+        call.settle(None)
+        call.stream.queue.put_nowait(EngineUnavailable("the request was aborted"))
+
+    def abort_all(self) -> None:
+        for request_id in list(self._calls):
+            self.abort_nowait(request_id)
+
+    def forget(self, request_id: str) -> None:
+        self._calls.pop(request_id, None)
+
+    def num_unfinished(self) -> int:
+        return len(self._calls)
+
+    # --- the model's facts and text handling, here at the ingress ------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
+        """The engine's own template code (`LLMEngine.apply_chat_template` reads only the tokenizer)."""
+        return LLMEngine.apply_chat_template(self, messages, add_generation_prompt, continue_final_message,
+                                             chat_template_kwargs)
+
+    def validate(self, token_ids: list[int]) -> None:
+        """The engine's own check (`LLMEngine.validate` reads `config.vocab_size` and `max_model_len`)."""
+        LLMEngine.validate(self, token_ids)
+
+    def token_text(self, token_id: int) -> str:
+        return self._text.token_text(token_id)
+
+    # --- the replicas' stats ---------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """The replicas' counters summed (as of the last poll that reached any), each one's under "replicas"."""
+        return {**self._stats, "num_replicas": len(self.replicas), "replicas": dict(self.replicas)}
+
+    async def poll(self) -> None:
+        """Ask every replica for its stats; one that fails (it died) is left out until it answers again."""
+        from ray.serve.exceptions import DeploymentUnavailableError
+
+        sent = self._sent
+        try:
+            results = await self.handle.broadcast("stats").results_async(timeout_s=STATS_TIMEOUT_S,
+                                                                          return_exceptions=True)
+        except TimeoutError:  # some replica is stuck: keep the last answers rather than drop every replica
+            return
+        except DeploymentUnavailableError:  # Serve has no replica up (all starting or restarting)
+            results = []
+        self._sent -= sent
+        self.replicas = {s["replica_id"]: s for s in results if isinstance(s, dict)}
+        if self.replicas:
+            first = next(iter(self.replicas.values()))
+            self._stats = {**first, **{k: sum(s[k] for s in self.replicas.values()) for k in ADDITIVE}}
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(STATS_PERIOD_S)
+            try:
+                await self.poll()
+            except Exception:  # keep polling: the next answer may come
+                log.exception("polling the replicas' stats failed")
+
+
+def replica_error(e: Exception) -> Exception:
+    """What a reader sees when a replica call fails: the engine's own errors keep their meaning, and a replica
+    that died or cannot be reached is a 503 (the client may retry; Serve restarts the replica)."""
+    from ray.exceptions import RayError, RayTaskError
+    from ray.serve.exceptions import RayServeException
+
+    cause = e.cause if isinstance(e, RayTaskError) else e
+    if isinstance(cause, (EngineDeadError, EngineUnavailable, EngineOverloaded, OpenAIError)):
+        return cause
+    if isinstance(cause, ValueError):
+        return OpenAIError(str(cause))
+    if isinstance(e, (RayError, RayServeException)):
+        return EngineUnavailable("the replica serving this request stopped; try again")
+    return e
+
+
+class IngressHeaders:
+    """ASGI middleware at the ingress: `x-minillm-replica` names the replica(s) that served a response's requests,
+    and `x-request-id` is left to Serve's proxy, which adds one to every response itself (with the same id).
+
+    A streamed response starts before its first token, so the header waits only for each replica to announce
+    itself (the first item of its stream); a response that reached no replica carries no replica header.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        calls: list[RemoteCall] = []
+        token = CALLS.set(calls)
+
+        async def send_with_replica(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                ids = [r for r in await asyncio.gather(*(c.replica for c in calls)) if r is not None]
+                if ids:
+                    headers.append((b"x-minillm-replica", ",".join(dict.fromkeys(ids)).encode("latin-1")))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_replica)
+        finally:
+            CALLS.reset(token)

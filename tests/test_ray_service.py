@@ -1,0 +1,158 @@
+"""Chapter 9's service on Ray Serve, on a tiny model: two engine replicas behind chapter 8's app. The official
+`openai` client gets what `LLM.generate` computes; every response names its replica and round robin uses
+both; the gateway's rate limit answers 429; nothing listens beyond loopback; a replica killed mid-stream ends
+its stream with an error event (never a hang), the service answers 503 while no replica is up and serves
+again once Serve has restarted them; stopping leaves no Ray process behind."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+import torch
+from openai.types import Completion
+from openai.types.chat import ChatCompletionChunk
+
+from minillm import LLM, SamplingParams
+from minillm.engine_args import EngineArgs
+from minillm.serving.gateway import RateLimit
+from serving_utils import sse_events
+
+ray_app = pytest.importorskip("minillm.serving.ray_app", reason="ray[serve] is not installed")
+pytestmark = pytest.mark.slow
+MODEL = "tiny"
+QUESTION = [{"role": "user", "content": "Prefill builds the cache."}]
+PROMPT = "The quick brown fox"
+LOOPBACK = ("127.0.0.1", "[::ffff:127.0.0.1]", "[::1]")
+RECOVERY_S = 120  # a replica's restart: a new process imports torch and loads the model
+
+
+@pytest.fixture(scope="module")
+def service(tiny_llama):
+    svc = ray_app.RayService(EngineArgs(model=str(tiny_llama), device="cpu", dtype="float32", num_kv_blocks=64),
+                             replicas=2, router="round_robin", model_name=MODEL,
+                             rate_limit=RateLimit(requests_per_second=1, burst=20))
+    with svc:
+        yield svc
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama, device="cpu", dtype=torch.float32, num_kv_blocks=64)
+
+
+@pytest.fixture
+def http(service):
+    with httpx.Client(base_url=service.url, timeout=30) as c:
+        yield c
+
+
+def test_the_openai_client_gets_llm_generate_s_text_from_both_replicas(service, llm):
+    want_chat = llm.chat(QUESTION, SamplingParams(max_tokens=12), use_tqdm=False)[0].outputs[0].text
+    want_text = llm.generate(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    replicas = []
+    with openai.OpenAI(base_url=service.url + "/v1", api_key="unused", max_retries=0, timeout=30) as client:
+        for _ in range(2):
+            raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=QUESTION, max_tokens=12,
+                                                                   temperature=0, stream=True)
+            replicas.append(raw.headers["x-minillm-replica"])
+            chunks = [ChatCompletionChunk.model_validate(c.model_dump()) for c in raw.parse()]
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want_chat
+            raw = client.completions.with_raw_response.create(model=MODEL, prompt=PROMPT, max_tokens=12,
+                                                              temperature=0, stream=True,
+                                                              extra_body={"ignore_eos": True})
+            replicas.append(raw.headers["x-minillm-replica"])
+            assert "".join(c.choices[0].text for c in raw.parse() if c.choices) == want_text
+            raw = client.completions.with_raw_response.create(model=MODEL, prompt=PROMPT, max_tokens=12,
+                                                              temperature=0, extra_body={"ignore_eos": True})
+            replicas.append(raw.headers["x-minillm-replica"])
+            assert len(raw.headers.get_list("x-request-id")) == 1  # Serve's proxy adds it; the app's is dropped
+            assert Completion.model_validate(raw.parse().model_dump()).choices[0].text == want_text
+    ids = {s["replica_id"] for s in service.replica_stats()}
+    assert len(ids) == 2 and set(replicas) == ids
+    assert all(a != b for a, b in zip(replicas, replicas[1:])), replicas  # round robin: each in turn
+
+
+def test_the_gateway_limits_each_client_with_a_429(service):
+    """Another loopback address is another client: its bucket (burst 20, 1 per second) runs dry on its own."""
+    with httpx.Client(base_url=service.url, timeout=30, transport=httpx.HTTPTransport(local_address="127.0.0.2")) as c:
+        responses = [c.get("/v1/models") for _ in range(26)]
+    codes = [r.status_code for r in responses]
+    assert codes[:20] == [200] * 20 and 429 in codes[20:], codes
+    refused = next(r for r in responses if r.status_code == 429)
+    assert int(refused.headers["retry-after"]) >= 1
+    assert refused.json()["error"]["type"] == "rate_limit_error" and refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert httpx.get(service.url + "/v1/models", timeout=30).status_code == 200  # 127.0.0.1 has its own bucket
+
+
+def ours() -> list[psutil.Process]:
+    """This process and every process it started (the local Ray instance: GCS, raylet, workers, agents)."""
+    me = psutil.Process()
+    return [me, *me.children(recursive=True)]
+
+
+def test_nothing_listens_beyond_loopback(service):
+    if shutil.which("ss") is None:
+        pytest.skip("`ss` (iproute2) is not installed")
+    pids = {p.pid for p in ours()}
+    listeners = []
+    for line in subprocess.run(["ss", "-tlnpH"], capture_output=True, text=True, check=True).stdout.splitlines():
+        fields = line.split()
+        owners = {int(part.split(",")[0]) for part in line.split("pid=")[1:]}
+        if owners & pids:
+            listeners.append((fields[3].rsplit(":", 1)[0], line))
+    assert len(listeners) >= 8, listeners  # the GCS, the raylet, the proxy, the replicas, ...
+    assert service.url.startswith("http://127.0.0.1:")
+    assert [line for address, line in listeners if address not in LOOPBACK] == []
+
+
+def wait_for(condition, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return result
+
+
+def test_a_killed_replica_ends_its_stream_with_an_error_and_the_service_recovers(service, http):
+    pids = {s["replica_id"]: s["pid"] for s in service.replica_stats()}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    start = time.monotonic()
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        victim = r.headers["x-minillm-replica"]
+        os.kill(pids[victim], signal.SIGKILL)  # as a crash would: no goodbye to Serve
+        events = sse_events(r)  # bounded by the client's 30 s read timeout
+    assert time.monotonic() - start < 30
+    error = json.loads(events[-2])["error"]
+    assert events[-1] == "[DONE]" and error["type"] == "service_unavailable", events[-3:]
+    (survivor,) = set(pids) - {victim}
+    short = {**body, "stream": False, "max_tokens": 4}
+    done = http.post("/v1/completions", json=short)
+    assert done.status_code == 200 and done.headers["x-minillm-replica"] == survivor
+
+    os.kill(pids[survivor], signal.SIGKILL)  # now no replica is left until Serve restarts them
+    wait_for(lambda: http.get("/health").status_code == 503, 30, "the ingress to notice")
+    refused = http.post("/v1/completions", json=short)
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+
+    wait_for(lambda: http.get("/health").status_code == 200, RECOVERY_S, "Serve to restart a replica")
+    again = http.post("/v1/completions", json=short)
+    assert again.status_code == 200 and again.headers["x-minillm-replica"] not in pids
+    wait_for(lambda: len(service.replica_stats()) == 2, RECOVERY_S, "both replicas back")
+
+
+def test_stopping_leaves_no_ray_process(service):
+    ray_processes = [p for p in ours() if p.name() in ("raylet", "gcs_server")]
+    assert len(ray_processes) == 2
+    service.stop()
+    gone, alive = psutil.wait_procs(ray_processes, timeout=15)
+    assert alive == []
+    left = subprocess.run(["pgrep", "-f", "raylet|gcs_server"], capture_output=True, text=True).stdout.split()
+    assert not {p.pid for p in ray_processes} & {int(pid) for pid in left}

@@ -1,8 +1,9 @@
 """Chapter 9's service on Ray Serve, on a tiny model: two engine replicas behind chapter 8's app. The official
 `openai` client gets what `LLM.generate` computes; every response names its replica and round robin uses
-both; the gateway's rate limit answers 429; nothing listens beyond loopback; a replica killed mid-stream ends
-its stream with an error event (never a hang), the service answers 503 while no replica is up and serves
-again once Serve has restarted them; stopping leaves no Ray process behind."""
+both; the gateway's rate limit answers 429; a client that leaves aborts its request on the replica; nothing
+listens beyond loopback; a replica killed mid-stream ends its stream with an error event (never a hang), the
+service answers 503 while no replica is up and serves again once Serve has restarted them; stopping leaves
+no Ray process behind. One service serves the module (it takes seconds to start); the tests run in order."""
 
 import json
 import os
@@ -23,19 +24,29 @@ from minillm import LLM, SamplingParams
 from minillm.engine_args import EngineArgs
 from minillm.serving.gateway import RateLimit
 from serving_utils import sse_events
+from tiny_models import build_tiny_model
 
 ray_app = pytest.importorskip("minillm.serving.ray_app", reason="ray[serve] is not installed")
 pytestmark = pytest.mark.slow
 MODEL = "tiny"
 QUESTION = [{"role": "user", "content": "Prefill builds the cache."}]
 PROMPT = "The quick brown fox"
+LONG = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}  # seconds long
 LOOPBACK = ("127.0.0.1", "[::ffff:127.0.0.1]", "[::1]")
 RECOVERY_S = 120  # a replica's restart: a new process imports torch and loads the model
 
 
 @pytest.fixture(scope="module")
-def service(tiny_llama):
-    svc = ray_app.RayService(EngineArgs(model=str(tiny_llama), device="cpu", dtype="float32", num_kv_blocks=64),
+def model(tmp_path_factory):
+    """tiny_llama, made wider and deeper: it decodes 200 tokens faster than a stats round trip, this one takes
+    seconds for a long stream, so a test can act in the middle of one."""
+    return build_tiny_model(tmp_path_factory.mktemp("ray-model"), hidden_size=256, intermediate_size=512,
+                            num_hidden_layers=6, max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def service(model):
+    svc = ray_app.RayService(EngineArgs(model=str(model), device="cpu", dtype="float32", num_kv_blocks=64),
                              replicas=2, router="round_robin", model_name=MODEL,
                              rate_limit=RateLimit(requests_per_second=1, burst=20))
     with svc:
@@ -43,14 +54,22 @@ def service(tiny_llama):
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_llama):
-    return LLM(tiny_llama, device="cpu", dtype=torch.float32, num_kv_blocks=64)
+def llm(model):
+    return LLM(model, device="cpu", dtype=torch.float32, num_kv_blocks=64)
 
 
 @pytest.fixture
 def http(service):
     with httpx.Client(base_url=service.url, timeout=30) as c:
         yield c
+
+
+def wait_for(condition, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return result
 
 
 def test_the_openai_client_gets_llm_generate_s_text_from_both_replicas(service, llm):
@@ -91,6 +110,15 @@ def test_the_gateway_limits_each_client_with_a_429(service):
     assert httpx.get(service.url + "/v1/models", timeout=30).status_code == 200  # 127.0.0.1 has its own bucket
 
 
+def test_a_client_that_leaves_mid_stream_frees_the_replica_s_blocks(service, http):
+    with http.stream("POST", "/v1/completions", json=LONG) as r:
+        lines = r.iter_lines()  # held, so the connection stays open until the block ends
+        next(line for line in lines if line.startswith("data: "))
+        assert sum(s["num_unfinished"] for s in service.replica_stats()) == 1  # one token in, many to go
+    wait_for(lambda: all(s["num_unfinished"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
+                         for s in service.replica_stats()), 10, "the replica to abort the request")
+
+
 def ours() -> list[psutil.Process]:
     """This process and every process it started (the local Ray instance: GCS, raylet, workers, agents)."""
     me = psutil.Process()
@@ -112,19 +140,10 @@ def test_nothing_listens_beyond_loopback(service):
     assert [line for address, line in listeners if address not in LOOPBACK] == []
 
 
-def wait_for(condition, seconds: float, what: str):
-    deadline = time.monotonic() + seconds
-    while not (result := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-    return result
-
-
 def test_a_killed_replica_ends_its_stream_with_an_error_and_the_service_recovers(service, http):
     pids = {s["replica_id"]: s["pid"] for s in service.replica_stats()}
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
     start = time.monotonic()
-    with http.stream("POST", "/v1/completions", json=body) as r:
+    with http.stream("POST", "/v1/completions", json=LONG) as r:
         assert r.status_code == 200
         victim = r.headers["x-minillm-replica"]
         os.kill(pids[victim], signal.SIGKILL)  # as a crash would: no goodbye to Serve
@@ -133,7 +152,7 @@ def test_a_killed_replica_ends_its_stream_with_an_error_and_the_service_recovers
     error = json.loads(events[-2])["error"]
     assert events[-1] == "[DONE]" and error["type"] == "service_unavailable", events[-3:]
     (survivor,) = set(pids) - {victim}
-    short = {**body, "stream": False, "max_tokens": 4}
+    short = {**LONG, "stream": False, "max_tokens": 4}
     done = http.post("/v1/completions", json=short)
     assert done.status_code == 200 and done.headers["x-minillm-replica"] == survivor
 

@@ -23,7 +23,7 @@ from openai.types.chat import ChatCompletionChunk
 from minillm import LLM, SamplingParams
 from minillm.engine_args import EngineArgs
 from minillm.serving.gateway import RateLimit
-from serving_utils import sse_events
+from serving_utils import sse_events, wait_idle
 from tiny_models import build_tiny_model
 
 ray_app = pytest.importorskip("minillm.serving.ray_app", reason="ray[serve] is not installed")
@@ -117,6 +117,8 @@ def test_a_client_that_leaves_mid_stream_frees_the_replica_s_blocks(service, htt
         assert sum(s["num_unfinished"] for s in service.replica_stats()) == 1  # one token in, many to go
     wait_for(lambda: all(s["num_unfinished"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
                          for s in service.replica_stats()), 10, "the replica to abort the request")
+    metrics = wait_idle(http)  # the replicas' stats, summed at the ingress
+    assert metrics['request_success_total{finished_reason="abort"}'] == 1
 
 
 def ours() -> list[psutil.Process]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 from ..config import ModelConfig
 from ..engine import LLMEngine
 from ..output_processor import OutputProcessor
+from ..outputs import RequestOutput
 from ..sampling import SamplingParams
 from .api_server import REQUEST_USER
 from .async_llm import AsyncLLM, EngineDeadError, EngineOverloaded, EngineUnavailable, RequestStream
@@ -72,6 +73,7 @@ class RemoteLLM:
         self.max_model_len = 0
         self.replicas: dict[str, dict] = {}  # replica id -> its stats, for those that answered the last poll
         self._stats: dict = {}
+        self._text: OutputProcessor | None = None  # the engine's token display, once max_model_len is known
         self._calls: dict[str, RemoteCall] = {}
         self._sent = 0  # sequences sent since the last poll began
         self._accepting = False
@@ -127,24 +129,29 @@ class RemoteLLM:
 
     async def _pump(self, request_id: str, call: RemoteCall) -> None:
         """Move the replica's outputs into the request's stream; a failure becomes the stream's error."""
-        finished = False
+        last: RequestOutput | None = None
         try:
             async for item in call.response:
                 if isinstance(item, str):  # the replica's id comes first
                     call.settle(item)
                     continue
-                for listener in self.listeners:
-                    listener([item])
-                finished = item.finished
+                self._notify(item)
+                last = item
                 call.stream.queue.put_nowait(item)
-            if not finished:
+            if last is None or not last.finished:
                 raise EngineUnavailable("the replica ended the stream before the request finished")
         except Exception as e:
             call.stream.queue.put_nowait(replica_error(e))
         finally:
             call.settle(None)
+            if last is not None and not last.finished:  # cancelled or failed: listeners still see it end
+                self._notify(aborted(last))
             if self._calls.get(request_id) is call:
                 del self._calls[request_id]
+
+    def _notify(self, out: RequestOutput) -> None:
+        for listener in self.listeners:
+            listener([out])
 
     def check_room(self, num_seqs: int) -> None:
         """EngineOverloaded unless `num_seqs` more sequences may wait (reported by the replicas, or sent since)."""
@@ -232,6 +239,15 @@ class RemoteLLM:
                 await self.poll()
             except Exception:  # keep polling: the next answer may come
                 log.exception("polling the replicas' stats failed")
+
+
+def aborted(out: RequestOutput) -> RequestOutput:
+    """The final output of a request that ended without one (its client left, or its replica died): its last
+    output marked finished, with finish reason "abort" and its last token's time as the end, as an abort in
+    the engine would report it."""
+    end = out.metrics.token_times[-1] if out.metrics.token_times else out.metrics.arrival_time
+    return replace(out, finished=True, outputs=[replace(c, finish_reason="abort") for c in out.outputs],
+                   metrics=replace(out.metrics, finished_time=end))
 
 
 def replica_error(e: Exception) -> Exception:

@@ -28,7 +28,8 @@ from ..threads import available_cores
 from ..weights import DEFAULT_MODEL, resolve_model
 from .api_server import build_app
 from .ray_cluster import LOOPBACK, QUIET, listen_on_node_ip, start_ray, start_serve
-from .remote_llm import IngressHeaders, RemoteLLM
+from .replica_header import IngressHeaders
+from .remote_llm import RemoteLLM
 from .replica import LLMServer
 
 APP_NAME = "minillm"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -27,10 +26,11 @@ from ..sampling import SamplingParams
 from .api_server import REQUEST_USER
 from .async_llm import AsyncLLM, EngineDeadError, EngineOverloaded, EngineUnavailable, RequestStream
 from .protocol import OpenAIError
+from .replica_header import REPLICAS
 
 log = logging.getLogger("minillm.serving")
 STATS_PERIOD_S = 0.5  # how often the replicas' stats are polled
-STATS_TIMEOUT_S = 5.0  # a replica that has not answered by then is counted as gone
+STATS_TIMEOUT_S = 5.0  # a poll not answered by then is skipped: the last answers stand
 ADDITIVE = ("kv_blocks_total", "kv_blocks_free", "kv_cache_bytes", "num_waiting", "num_running", "num_preemptions",
             "prefix_cache_hit_tokens", "prefix_cache_query_tokens", "num_unfinished")
 
@@ -48,10 +48,6 @@ class RemoteCall:
     def settle(self, replica_id: str | None) -> None:
         if not self.replica.done():
             self.replica.set_result(replica_id)
-
-
-# The calls made while one HTTP request is handled (set by `IngressHeaders`), so its response can name them.
-CALLS: ContextVar[list[RemoteCall] | None] = ContextVar("minillm_remote_calls", default=None)
 
 
 class RemoteLLM:
@@ -123,8 +119,8 @@ class RemoteLLM:
         call.pump = asyncio.create_task(self._pump(request_id, call))
         self._calls[request_id] = call
         self._sent += params.n
-        if (calls := CALLS.get()) is not None:
-            calls.append(call)
+        if (replicas := REPLICAS.get()) is not None:
+            replicas.append(call.replica)
         return call.stream
 
     async def _pump(self, request_id: str, call: RemoteCall) -> None:
@@ -264,35 +260,3 @@ def replica_error(e: Exception) -> Exception:
     if isinstance(e, (RayError, RayServeException)):
         return EngineUnavailable("the replica serving this request stopped; try again")
     return e
-
-
-class IngressHeaders:
-    """ASGI middleware at the ingress: `x-minillm-replica` names the replica(s) that served a response's requests,
-    and `x-request-id` is left to Serve's proxy, which adds one to every response itself (with the same id).
-
-    A streamed response starts before its first token, so the header waits only for each replica to announce
-    itself (the first item of its stream); a response that reached no replica carries no replica header.
-    """
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        calls: list[RemoteCall] = []
-        token = CALLS.set(calls)
-
-        async def send_with_replica(message):
-            if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
-                ids = [r for r in await asyncio.gather(*(c.replica for c in calls)) if r is not None]
-                if ids:
-                    headers.append((b"x-minillm-replica", ",".join(dict.fromkeys(ids)).encode("latin-1")))
-                message = {**message, "headers": headers}
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_with_replica)
-        finally:
-            CALLS.reset(token)

@@ -1,0 +1,45 @@
+"""Chapter 9 — which replica served a response: the `x-minillm-replica` header, added at the ingress.
+
+A response may come from any replica, and a client (or a benchmark of routers) wants to know which. Each
+engine call made while one HTTP request is handled puts a future of its replica's id in `REPLICAS`; the
+replica names itself first thing on its stream, so a streamed response, which starts before its first
+token, waits only for that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextvars import ContextVar
+
+# Futures of the replica ids of the engine calls made while one HTTP request is handled (None: no replica
+# answered before the call failed). Set by `IngressHeaders`, filled by `RemoteLLM.add_request`.
+REPLICAS: ContextVar[list[asyncio.Future] | None] = ContextVar("minillm_replicas", default=None)
+
+
+class IngressHeaders:
+    """ASGI middleware at the ingress: `x-minillm-replica` names the replica(s) that served a response's requests
+    (none if it reached none), and `x-request-id` is left to Serve's proxy, which adds one to every response
+    itself (with the same id)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        replicas: list[asyncio.Future] = []
+        token = REPLICAS.set(replicas)
+
+        async def send_with_replica(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                ids = [r for r in await asyncio.gather(*replicas) if r is not None]
+                if ids:
+                    headers.append((b"x-minillm-replica", ",".join(dict.fromkeys(ids)).encode("latin-1")))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_replica)
+        finally:
+            REPLICAS.reset(token)

@@ -12,7 +12,7 @@ import random
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -30,6 +30,7 @@ DESCRIPTION = "Benchmark an OpenAI-compatible server as `vllm bench serve` does.
 WORKLOADS = {"chat": ((16, 128), (64, 256)), "rag": ((256, 1024), (16, 64))}
 Prompt = str | list[int] | list[dict]  # text, token ids, or OpenAI chat messages
 STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}  # the second is vLLM's: usage in every chunk
+REPLICA_HEADER = "x-minillm-replica"  # chapter 9's service names the replica that served a response
 
 
 # --- workloads: (prompt, max_tokens) pairs ------------------------------------------------------------------
@@ -247,16 +248,18 @@ def expand_token_times(chunks: Sequence[Chunk]) -> list[float]:
 @dataclass
 class BenchRun:
     """What an HTTP benchmark measured: a record per successful request (in workload order), the errors of
-    the failed ones, and the wall time from the first scheduled send to the last response."""
+    the failed ones, the wall time from the first scheduled send to the last response, and for each record the
+    replica the server said served it (`x-minillm-replica`; None where it names none)."""
 
     records: list[RequestMetrics]
     errors: list[str]
     duration: float
+    served_by: list[str | None] = field(default_factory=list)
 
 
 async def _stream(client, endpoint: str, model: str, prompt: Prompt, max_tokens: int, arrival: float,
-                  options: dict) -> RequestMetrics:
-    """Send one streaming request and time its chunks (client-side `perf_counter`)."""
+                  options: dict) -> tuple[RequestMetrics, str | None]:
+    """Send one streaming request and time its chunks (client-side `perf_counter`); the replica that served it."""
     if endpoint == "chat":  # max_completion_tokens is the chat name, as `vllm bench serve` sends it
         request = client.chat.completions.create(model=model, messages=prompt, max_completion_tokens=max_tokens,
                                                  stream=True, stream_options=STREAM_OPTIONS, **options)
@@ -265,6 +268,7 @@ async def _stream(client, endpoint: str, model: str, prompt: Prompt, max_tokens:
                                             stream_options=STREAM_OPTIONS, **options)
     chunks, prompt_tokens = [], 0
     async with await request as stream:
+        replica = stream.response.headers.get(REPLICA_HEADER)
         async for chunk in stream:
             chunks.append(Chunk.read(chunk, time.perf_counter()))
             prompt_tokens = chunk.usage.prompt_tokens if chunk.usage else prompt_tokens
@@ -273,7 +277,7 @@ async def _stream(client, endpoint: str, model: str, prompt: Prompt, max_tokens:
     if not times:
         raise RuntimeError("the stream ended without an output token")
     return RequestMetrics(arrival_time=arrival, prompt_tokens=prompt_tokens, first_token_time=times[0],
-                          token_times=times, finished_time=finished, output_tokens=len(times))
+                          token_times=times, finished_time=finished, output_tokens=len(times)), replica
 
 
 def _client(base_url: str, timeout: float, connections: int, api_key: str | None = None):
@@ -299,8 +303,9 @@ async def first_model(base_url: str, timeout: float = 30.0, api_key: str | None 
 async def run_http(base_url: str, model: str, work: Sequence[tuple[Prompt, int]], arrivals: Sequence[float], *,
                    endpoint: str = "completions", max_concurrency: int | None = None, temperature: float = 0.0,
                    ignore_eos: bool = False, timeout: float = 600.0, progress: bool = False,
-                   api_key: str | None = None) -> BenchRun:
-    """Send each (prompt, max_tokens) at its arrival time (s after the start), at most `max_concurrency` in flight.
+                   api_key: str | None = None, users: Sequence[str | None] | None = None) -> BenchRun:
+    """Send each (prompt, max_tokens) at its arrival time (s after the start), at most `max_concurrency` in flight,
+    as `users[i]` (OpenAI's `user` field) if given.
 
     A request's arrival is its scheduled time, or the moment a concurrency slot freed if it had to wait for one
     (as `vllm bench serve` times it). Failed requests are collected as errors, never raised.
@@ -314,7 +319,10 @@ async def run_http(base_url: str, model: str, work: Sequence[tuple[Prompt, int]]
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     slots = asyncio.Semaphore(max_concurrency or len(work))
     options = {"temperature": temperature, "extra_body": {"ignore_eos": True} if ignore_eos else None}
+    if users is not None and len(users) != len(work):
+        raise ValueError(f"{len(users)} users for {len(work)} requests")
     records: list[RequestMetrics | None] = [None] * len(work)
+    served: list[str | None] = [None] * len(work)
     errors: list[str] = []
 
     async def one(i: int, client, bar) -> None:
@@ -324,7 +332,8 @@ async def run_http(base_url: str, model: str, work: Sequence[tuple[Prompt, int]]
         async with slots:
             arrival = time.perf_counter() if waited else scheduled
             try:
-                records[i] = await _stream(client, endpoint, model, *work[i], arrival, options)
+                user = {} if users is None or users[i] is None else {"user": users[i]}
+                records[i], served[i] = await _stream(client, endpoint, model, *work[i], arrival, {**options, **user})
             except Exception as e:  # an HTTP error, a dropped connection, a malformed stream: count it, go on
                 errors.append(f"request {i}: {type(e).__name__}: {e}")
             bar.update()
@@ -334,7 +343,8 @@ async def run_http(base_url: str, model: str, work: Sequence[tuple[Prompt, int]]
             start = time.perf_counter()
             await asyncio.gather(*(one(i, client, bar) for i in range(len(work))))
             duration = time.perf_counter() - start
-    return BenchRun([r for r in records if r is not None], errors, duration)
+    return BenchRun([r for r in records if r is not None], errors, duration,
+                    [s for r, s in zip(records, served) if r is not None])
 
 
 # --- report ---------------------------------------------------------------------------------------------------

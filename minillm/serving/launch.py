@@ -167,7 +167,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="how a request picks its replica: round_robin, least_loaded, prefix or session "
                             "(default: Serve's, power of two choices)")
     scale.add_argument("--ray-address", default=None, metavar="ADDR",
-                       help="join this Ray cluster (auto, or HOST:PORT) instead of starting a local instance")
+                       help="join this Ray cluster (auto, or HOST:PORT) instead of starting a local instance; "
+                            "with token authentication (Ray's default) set RAY_AUTH_MODE=token and its token")
     for flag, kind, text in AUTOSCALING_FLAGS:
         scale.add_argument(flag, type=kind, default=None, help=text)
     ServerLimits.add_cli_args(parser)

@@ -21,21 +21,29 @@ QUIET = "ERROR"
 def start_ray(address: str | None, num_cpus: int) -> None:
     """Start a local instance with `num_cpus` logical CPUs on 127.0.0.1 (address None), or connect to `address`.
 
-    Starting a local instance keeps this process on loopback for good (Ray's address setting is process-wide),
-    so join another cluster from a fresh process.
+    A local instance, or a cluster joined at a loopback address, keeps this process on loopback for good (Ray's
+    address setting is process-wide), so join a cluster elsewhere from a fresh process.
     """
     import ray
-    from ray._private import ray_constants
 
+    if address is None or address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
+        keep_to_loopback()
     if address is None:
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read by each Ray process when it imports ray,
-        ray_constants.ENABLE_RAY_CLUSTER = False  # and this one may have imported it already
-        os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
         ray.init(address="local", num_cpus=num_cpus, object_store_memory=OBJECT_STORE_BYTES,
                  include_dashboard=False, _node_ip_address=LOOPBACK, log_to_driver=False, logging_level=logging.ERROR)
     else:
         ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
     logging.getLogger("ray.serve").setLevel(QUIET)
+
+
+def keep_to_loopback() -> None:
+    """Make Ray take 127.0.0.1 as this machine's address (otherwise it rewrites 127.0.0.1 to the address of the
+    interface that reaches the internet), in this process and in every Ray process it starts; no usage stats."""
+    from ray._private import ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read by each Ray process when it imports ray,
+    ray_constants.ENABLE_RAY_CLUSTER = False  # and this one may have imported it already
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
 
 def start_serve(host: str, port: int) -> None:

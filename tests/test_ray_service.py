@@ -6,9 +6,7 @@ service answers 503 while no replica is up and serves again once Serve has resta
 no Ray process behind. One service serves the module (it takes seconds to start); the tests run in order."""
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import time
 
@@ -144,29 +142,29 @@ def test_nothing_listens_beyond_loopback(service):
 
 
 def test_a_killed_replica_ends_its_stream_with_an_error_and_the_service_recovers(service, http):
-    pids = {s["replica_id"]: s["pid"] for s in service.replica_stats()}
+    before = {s["replica_id"] for s in service.replica_stats()}
     start = time.monotonic()
     with http.stream("POST", "/v1/completions", json=LONG) as r:
         assert r.status_code == 200
         victim = r.headers["x-minillm-replica"]
-        os.kill(pids[victim], signal.SIGKILL)  # as a crash would: no goodbye to Serve
+        assert service.kill_replica(victim)["replica_id"] == victim  # SIGKILL, as a crash: no goodbye to Serve
         events = sse_events(r)  # bounded by the client's 30 s read timeout
     assert time.monotonic() - start < 30
     error = json.loads(events[-2])["error"]
     assert events[-1] == "[DONE]" and error["type"] == "service_unavailable", events[-3:]
-    (survivor,) = set(pids) - {victim}
+    (survivor,) = before - {victim}
     short = {**LONG, "stream": False, "max_tokens": 4}
     done = http.post("/v1/completions", json=short)
     assert done.status_code == 200 and done.headers["x-minillm-replica"] == survivor
 
-    os.kill(pids[survivor], signal.SIGKILL)  # now no replica is left until Serve restarts them
+    service.kill_replica(survivor)  # now no replica is left until Serve restarts them
     wait_for(lambda: http.get("/health").status_code == 503, 30, "the ingress to notice")
     refused = http.post("/v1/completions", json=short)
     assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
 
     wait_for(lambda: http.get("/health").status_code == 200, RECOVERY_S, "Serve to restart a replica")
     again = http.post("/v1/completions", json=short)
-    assert again.status_code == 200 and again.headers["x-minillm-replica"] not in pids
+    assert again.status_code == 200 and again.headers["x-minillm-replica"] not in before
     wait_for(lambda: len(service.replica_stats()) == 2, RECOVERY_S, "both replicas back")
 
 

@@ -149,10 +149,11 @@ class RayService:
             ray.shutdown()
 
     def replica_stats(self) -> list[dict]:
-        """Every replica's `LLMServer.stats()` (replica id, pid, KV cache, queues)."""
+        """Every live replica's `LLMServer.stats()` (replica id, pid, KV cache, queues); dead ones are left out."""
         handle = serve.get_deployment_handle(LLMServer.name, APP_NAME)
         with ThreadPoolExecutor(1) as pool:  # a notebook's cell runs inside an event loop, where Serve will not block
-            return pool.submit(lambda: handle.broadcast("stats").results(timeout_s=30)).result()
+            results = pool.submit(lambda: handle.broadcast("stats").results(timeout_s=30, return_exceptions=True))
+            return [r for r in results.result() if isinstance(r, dict)]
 
     def kill_replica(self, replica_id: str | None = None) -> dict:
         """Kill one replica's process (SIGKILL, as a crash would), by id or the first found; returns its stats.

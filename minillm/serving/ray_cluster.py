@@ -4,7 +4,8 @@ A local instance is a handful of processes (the GCS, a raylet, an object store, 
 proxy, one worker per replica) that talk over TCP. A textbook's server must not open them to the network,
 so the instance minillm starts binds every one to 127.0.0.1: `_node_ip_address`, no dashboard, and
 `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` (Ray then keeps to 127.0.0.1 and never probes a public DNS address to
-find its interface). Joining an existing cluster (`--ray-address`) is the user's explicit choice, and its
+find its interface). Ray 2.60 also turns on token authentication for a local instance (the token is kept in
+~/.ray/auth_token). Joining an existing cluster (`--ray-address`) is the user's explicit choice, and its
 addresses are the cluster's.
 """
 
@@ -57,9 +58,9 @@ def start_serve(host: str, port: int) -> None:
 def listen_on_node_ip() -> None:
     """Make this replica's inter-deployment gRPC server listen on the node's address rather than on every one.
 
-    Ray Serve 2.60 starts that server in each replica on `[::]:0` (all interfaces, no authentication) with no
-    setting to change it (ray-project/ray#64544); a replica calls this in its constructor, which runs before
-    the server starts. On a local instance the node's address is 127.0.0.1.
+    Ray Serve 2.60 starts that server in each replica on `[::]:0`, every interface, and has no setting for its
+    address (it is written in the code; ray-project/ray#64544 asks for one for its port). A replica calls this
+    in its constructor, which runs before the server starts. On a local instance the node's address is 127.0.0.1.
     """
     import ray
     from ray.serve._private import replica

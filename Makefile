@@ -20,7 +20,7 @@ $(STAMP): requirements.txt pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup tests
 	$(BIN)/python -m exercises.selfcheck
 	$(BIN)/python -m pytest -q --nbval --nbval-sanitize-with .ci/nbval_sanitize.cfg -p no:cacheprovider chapters
 

@@ -25,7 +25,7 @@ from serving_utils import sse_events, wait_idle
 from tiny_models import build_tiny_model
 
 ray_app = pytest.importorskip("minillm.serving.ray_app", reason="ray[serve] is not installed")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one service per module: keep it on one worker
 MODEL = "tiny"
 QUESTION = [{"role": "user", "content": "Prefill builds the cache."}]
 PROMPT = "The quick brown fox"

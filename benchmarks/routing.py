@@ -15,7 +15,7 @@ it, and the share of the requests each replica served (the `x-minillm-replica` h
 round robin. Targets for prefix affinity: >= 2x round robin's hit rate, >= 1.5x lower TTFT P50, and no replica
 above 70 % of the requests.
 
-    .venv/bin/python -m benchmarks.routing [--requests 80] [--rate 0.6] [--tenants 12] [--users 48] [--routers ...]
+    .venv/bin/python -m benchmarks.routing [--requests 80] [--rate 0.6] [--tenants 10] [--users 40] [--routers ...]
 """
 
 from __future__ import annotations
@@ -99,9 +99,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=80)
     parser.add_argument("--rate", type=float, default=0.6, help="Poisson arrival rate, requests per second")
-    parser.add_argument("--tenants", type=int, default=12)
-    parser.add_argument("--users", type=int, default=48)
-    parser.add_argument("--system-tokens", type=int, default=224, help="tokens of text in each system prompt")
+    parser.add_argument("--tenants", type=int, default=10)
+    parser.add_argument("--users", type=int, default=40)
+    parser.add_argument("--system-tokens", type=int, default=400, help="tokens of text in each system prompt")
     parser.add_argument("--question-tokens", type=int, nargs=2, default=(16, 48), metavar=("MIN", "MAX"))
     parser.add_argument("--max-tokens", type=int, default=8, help="output tokens per request (ignore_eos)")
     parser.add_argument("--kv-fraction", type=float, default=0.5,

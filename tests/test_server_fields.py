@@ -194,5 +194,8 @@ def test_a_request_id_no_header_could_carry_back_is_replaced(server, given):
         while data := sock.recv(4096):
             reply += data
     head = reply.split(b"\r\n\r\n")[0].split(b"\r\n")
+    if head[0] == b"HTTP/1.1 400 Bad Request":  # httptools (when installed) refuses a control byte before the app
+        assert b"\x7f" in given
+        return
     request_id = next(line for line in head if line.lower().startswith(b"x-request-id:")).split(b": ")[1]
     assert head[0] == b"HTTP/1.1 200 OK" and len(request_id) == 32

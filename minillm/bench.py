@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from .metrics import SLO_KEYS, RequestMetrics, gamma_arrivals, summarize
-from .perplexity import eval_text
 
 if TYPE_CHECKING:  # only for type hints: the HTTP client needs neither the engine nor PyTorch
     from .engine import LLMEngine
@@ -38,6 +37,8 @@ REPLICA_HEADER = "x-minillm-replica"  # chapter 9's service names the replica th
 def corpus_ids(tokenizer) -> list[int]:
     """Token ids of the text shipped inside the package (`minillm.perplexity.eval_text`: prose on several topics,
     then some code), so a seeded workload is the same wherever minillm is installed."""
+    from .perplexity import eval_text  # here: importing this module must not load PyTorch (the HTTP client)
+
     return tokenizer(eval_text(), verbose=False).input_ids
 
 

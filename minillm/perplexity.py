@@ -14,6 +14,8 @@ from importlib.resources import files
 
 import numpy as np
 
+from .sampling import SamplingParams
+
 
 def eval_text() -> str:
     """The text shipped with minillm for measuring perplexity: prose on several topics, then some code."""
@@ -50,7 +52,6 @@ def token_logprobs(llm, token_ids: list[int], window: int = 1024, stride: int | 
     it), so a warm cache changes nothing; a window missing any position is an error, never a shifted
     score. `stride` defaults to half the window.
     """
-    from .sampling import SamplingParams  # here: `eval_text` serves the benchmark client, which needs no PyTorch
 
     stride = window // 2 if stride is None and isinstance(window, int) else stride
     token_ids = list(token_ids)

@@ -35,7 +35,7 @@ from .parallel.pipeline import MicroBatch
 from .quant import quantize_model
 from .sampling import SamplingParams, TokenLogprobs
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import Sequence
+from .sequence import Sequence, claim_request_id
 from .threads import configure_threads
 from .weights import check_architecture, resolve_model
 
@@ -217,12 +217,7 @@ class LLMEngine:
         metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
                                  prompt_tokens=len(token_ids))
         with self._lock:
-            if request_id is None:
-                while (request_id := str(next(self._ids))) in self._requests:
-                    pass
-            request_id = str(request_id)
-            if request_id in self._requests:
-                raise ValueError(f"request id {request_id!r} is already in use")
+            request_id = claim_request_id(request_id, self._requests, self._ids)
             seqs = self._sequences_for(request_id, text, token_ids, params, metrics)
             seqs[0].do_remote_decode, seqs[0].remote_prefill = do_remote_decode, remote_prefill
             if remote_prefill is not None and remote_prefill.generator_state is not None and seqs[0].generator:

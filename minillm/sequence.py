@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,17 @@ from .sampling import SamplingParams
 if TYPE_CHECKING:
     from .disagg.kv_transfer import KVTransferParams
     from .output_processor import CompletionState
+
+
+def claim_request_id(request_id: str | None, in_use, ids: Iterator[int]) -> str:
+    """A request's id: the given one (a ValueError if `in_use` holds it), or the next of `ids` not in use."""
+    if request_id is None:
+        while (request_id := str(next(ids))) in in_use:
+            pass
+    request_id = str(request_id)
+    if request_id in in_use:
+        raise ValueError(f"request id {request_id!r} is already in use")
+    return request_id
 
 
 class SequenceStatus(enum.Enum):

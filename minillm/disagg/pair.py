@@ -27,6 +27,7 @@ from ..outputs import RequestOutput
 from ..parallel.comm import free_port
 from ..parallel.executor import stop_processes
 from ..sampling import RequestOutputKind, SamplingParams
+from ..sequence import claim_request_id
 from ..threads import num_threads
 from ..weights import resolve_model
 from .instance import ABORT, ADD, DECODE, PREFILL, RESET_PREFIX_CACHE, STATS, STOP, instance_main
@@ -97,12 +98,7 @@ class PDPair:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
-        if request_id is None:
-            while (request_id := str(next(self._ids))) in self._requests:
-                pass
-        request_id = str(request_id)
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        request_id = claim_request_id(request_id, self._requests, self._ids)
         arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self._requests[request_id] = _Request(text, token_ids, params, arrival_time)
         if params.max_tokens == 1:  # nothing to decode: the prefill instance does it all

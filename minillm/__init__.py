@@ -1,4 +1,4 @@
-"""minillm: a small, real LLM inference engine, built chapter by chapter.
+"""Chapter 0 — the minillm package: a small, real LLM inference engine, built chapter by chapter.
 
 The engine's names are imported on first use, so `import minillm.metrics` (records and summaries, used
 by benchmark clients) does not load PyTorch, transformers and the engine.

@@ -1,6 +1,6 @@
-"""Command line: `python -m minillm generate "prompt"` streams a reply to the terminal, `serve` starts the
-OpenAI-compatible server, and `bench` benchmarks one (or, with `--offline`, an engine in this process).
-Every engine flag comes from `EngineArgs`, so the three take the same ones."""
+"""Chapter 8 — the command line: `python -m minillm generate "prompt"` streams a reply to the terminal,
+`serve` starts the OpenAI-compatible server, and `bench` benchmarks one (or, with `--offline`, an engine in
+this process). Every engine flag comes from `EngineArgs`, so the three take the same ones."""
 
 from __future__ import annotations
 

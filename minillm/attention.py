@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache, with prefill and decode as separate code paths.
+"""Chapter 4 — attention over the paged KV cache, with prefill and decode as separate code paths.
 
 Prefill attends from many new tokens of each sequence (packed one after another) to that sequence's
 cached and new keys; decode attends from one new token per sequence. Both read the cache through each

@@ -1,4 +1,4 @@
-"""Beam search on top of the engine, as vLLM's `LLM.beam_search` does it.
+"""Chapter 8 — beam search on top of the engine, as vLLM's `LLM.beam_search` does it.
 
 Each step asks the engine for one more token of every live beam, with the log-probs of its 2 x width most
 likely next tokens; every beam grows by each of those, and the `width` best new beams (by cumulative

@@ -1,5 +1,6 @@
-"""Benchmark drivers: replay a workload into the engine in process, or stream it from any OpenAI-compatible
-server and summarize what the client saw (`python -m minillm bench`, shaped like `vllm bench serve`)."""
+"""Chapter 1 — benchmark drivers: replay a workload into the engine in process, or (chapter 8) stream it from
+any OpenAI-compatible server and summarize what the client saw (`python -m minillm bench`, shaped like
+`vllm bench serve`)."""
 
 from __future__ import annotations
 

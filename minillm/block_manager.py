@@ -1,4 +1,5 @@
-"""Hands out fixed-size KV-cache blocks to sequences, shares full blocks between equal prefixes, takes them back.
+"""Chapter 4 — the block manager, which hands out fixed-size KV-cache blocks to sequences, shares full blocks
+between equal prefixes and takes them back.
 
 Each physical block has a reference count. A block whose tokens are all computed gets a chained hash
 (hash of the previous block's hash and its own tokens), so a later request whose prompt starts with the

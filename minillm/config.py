@@ -1,4 +1,4 @@
-"""The model's shape, read from a Hugging Face config.json into one flat, typed record."""
+"""Chapter 2 — the model's shape, read from a Hugging Face config.json into one flat, typed record."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Incremental detokenization: each step decodes a few recent tokens, not the whole output again.
+"""Chapter 8 — incremental detokenization: each step decodes a few recent tokens, not the whole output again.
 
 Decoding the whole output after every token costs O(n) per step and O(n^2) per request. Instead each
 sequence keeps two offsets into its output tokens: text up to `read_offset` is already emitted, and

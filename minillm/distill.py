@@ -1,4 +1,5 @@
-"""Distillation: a smaller model (the student) trained to predict what a larger one (the teacher) predicts.
+"""Chapter 6 — distillation: a smaller model (the student) trained to predict what a larger one (the teacher)
+predicts.
 
 The student here is the teacher with some decoder layers taken out, so it starts close to the teacher (every
 weight it has is the teacher's) and needs only a short training to recover part of what the missing layers

@@ -1,4 +1,4 @@
-"""llama.cpp's GGUF weight blocks decoded from raw bytes: what a quantized file really stores.
+"""Chapter 6 — llama.cpp's GGUF weight blocks decoded from raw bytes: what a quantized file really stores.
 
 A Q4_1 or Q8_0 matrix is cut into blocks of 32 consecutive weights of a row, each stored as a few float16
 numbers and 32 small integers:

@@ -1,4 +1,4 @@
-"""CPU memory backed by 2 MiB pages, for the weights that every decode step streams through.
+"""Chapter 2 — CPU memory backed by 2 MiB pages, for the weights that every decode step streams through.
 
 A batch-1 decode step on a CPU reads every weight once: with the usual 4 KiB pages that is a page
 translation for every 4 KiB of weights, which evicts the TLB entries of everything else, so each small

@@ -1,4 +1,4 @@
-"""Where keys and values live between steps, and how much memory they take.
+"""Chapter 3 — where keys and values live between steps, and how much memory they take.
 
 The engine's cache, `KVCache`, is one preallocated pool of fixed-size blocks per layer: a sequence's tokens
 occupy slots `block * block_size + offset` for the blocks in its block table, so sequences of any length

@@ -1,4 +1,5 @@
-"""The small building blocks of a Llama-family block: RMSNorm, rotary embeddings, SwiGLU, linear layers.
+"""Chapter 2 — the small building blocks of a Llama-family block: RMSNorm, rotary embeddings, SwiGLU, linear
+layers.
 
 Every linear layer of the model is a `Linear` (or one of its tensor-parallel kinds in `parallel/`), which
 quantization (chapter 6) replaces in place.

@@ -1,4 +1,4 @@
-"""The offline API: `LLM(...).generate(prompts, SamplingParams(...))`, shaped like vLLM's."""
+"""Chapter 4 — the offline API: `LLM(...).generate(prompts, SamplingParams(...))`, shaped like vLLM's."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Serving metrics: per-request timing records, their summaries (vLLM `bench serve` definitions),
+"""Chapter 1 — serving metrics: per-request timing records, their summaries (vLLM `bench serve` definitions),
 arrival processes and a latency-CDF plot. Drivers that replay a workload live in `minillm.bench`."""
 
 from __future__ import annotations

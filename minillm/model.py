@@ -1,4 +1,4 @@
-"""A Llama-family decoder in plain PyTorch: embeddings, N blocks (attention + SwiGLU MLP), norm, head.
+"""Chapter 2 — a Llama-family decoder in plain PyTorch: embeddings, N blocks (attention + SwiGLU MLP), norm, head.
 
 `prefill` runs many new tokens (whole prompts, packed) and returns logits at each sequence's last
 token; `decode` runs one new token per sequence; a continuously batched step mixes both in one call.

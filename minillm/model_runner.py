@@ -1,4 +1,5 @@
-"""Turns a scheduled step into tensors, runs one forward pass over it, and samples the next tokens."""
+"""Chapter 4 — the model runner, which turns a scheduled step into tensors, runs one forward pass over it and
+samples the next tokens."""
 
 from __future__ import annotations
 

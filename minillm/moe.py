@@ -1,4 +1,5 @@
-"""Mixture of experts (Mixtral, Qwen2-MoE): a router sends each token to its top k of many SwiGLU experts.
+"""Chapter 7 — mixture of experts (Mixtral, Qwen2-MoE): a router sends each token to its top k of many SwiGLU
+experts.
 
 The router scores every expert for every token (a linear layer, then a softmax in float32), keeps the k best, and
 rescales their weights to sum to 1 (Mixtral always, Qwen2-MoE when `norm_topk_prob`). The experts' weights are

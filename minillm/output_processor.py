@@ -1,4 +1,4 @@
-"""From new tokens to what a caller sees: incremental text, stop rules, log-probs and RequestOutputs.
+"""Chapter 8 — from new tokens to what a caller sees: incremental text, stop rules, log-probs and RequestOutputs.
 
 The engine step computes tokens; this module decides when a completion is done (EOS, a stop token or
 stop string, max_tokens, the end of the context) and what each output carries: everything so far, only

@@ -1,4 +1,4 @@
-"""What `generate` returns: one RequestOutput per prompt, holding its completion(s) and timing."""
+"""Chapter 4 — what `generate` returns: one RequestOutput per prompt, holding its completion(s) and timing."""
 
 from __future__ import annotations
 

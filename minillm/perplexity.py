@@ -1,4 +1,4 @@
-"""Perplexity: how well a model predicts a text, token by token, measured through the engine itself.
+"""Chapter 6 — perplexity: how well a model predicts a text, token by token, measured through the engine itself.
 
 The log-probabilities come from the engine's own forward pass (`SamplingParams(prompt_logprobs=0)`), so
 what is measured is the model as it is served: its dtype, its kernels and its quantized weights. A text

@@ -1,4 +1,4 @@
-"""Pruning: taking weights out of the model and measuring what that costs, on the engine's own model.
+"""Chapter 6 — pruning: taking weights out of the model and measuring what that costs, on the engine's own model.
 
 Three granularities, from the finest to the coarsest:
 

@@ -1,4 +1,5 @@
-"""Weight-only quantization formats: int8 per output channel, int4 in groups with zero points, fp8 e4m3.
+"""Chapter 6 — weight-only quantization formats: int8 per output channel, int4 in groups with zero points, fp8
+e4m3.
 
 Each format stores a weight `[out, in]` as small numbers plus a few float scales per row (or per group of
 `group_size` inputs in a row), so a decode step, which reads every weight once, reads fewer bytes:

@@ -1,4 +1,5 @@
-"""Roofline accounting: the FLOPs and bytes of every layer of a Llama-family forward pass, and this machine's roofs.
+"""Chapter 2 — roofline accounting: the FLOPs and bytes of every layer of a Llama-family forward pass, and this
+machine's roofs.
 
 Prefill and decode run the same layers; what differs is how many tokens share each read of the weights.
 `prefill_costs` and `decode_costs` count both, op by op; `measure_bandwidth` and `measure_matmul_flops`

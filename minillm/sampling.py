@@ -1,4 +1,5 @@
-"""Sampling parameters, and the sampler that turns next-token logits into tokens and log-probabilities."""
+"""Chapter 4 — sampling parameters, and the sampler that turns next-token logits into tokens and
+log-probabilities."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Decides, each step, which tokens of which sequences run: continuous batching with chunked prefill.
+"""Chapter 4 — the scheduler decides, each step, which tokens of which sequences run: continuous batching with
+chunked prefill.
 
 Every step spends a budget of `max_num_batched_tokens`. Running sequences go first (one token each when
 decoding, the next chunk of their prompt otherwise); whatever budget is left admits waiting requests,

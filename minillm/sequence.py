@@ -1,4 +1,4 @@
-"""A request inside the engine: its tokens so far, its KV blocks, its sampling state and its status."""
+"""Chapter 4 — a request inside the engine: its tokens so far, its KV blocks, its sampling state and its status."""
 
 from __future__ import annotations
 

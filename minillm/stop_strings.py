@@ -1,4 +1,5 @@
-"""Stop strings over streamed text: release text as soon as no stop string can begin in it, never take it back.
+"""Chapter 8 — stop strings over streamed text: release text as soon as no stop string can begin in it, never
+take it back.
 
 A stop string can arrive split across deltas ("<|e" then "nd|>"). Text that could still be the start of
 one is held back; once the next delta shows it is not, it is released. At the first stop string to be

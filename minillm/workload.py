@@ -1,5 +1,5 @@
-"""Notebook workloads sized to the machine (small on a 2-core CPU, realistic on a GPU), and the one way
-every chapter sets up its timing and says where it ran."""
+"""Chapter 1 — notebook workloads sized to the machine (small on a 2-core CPU, realistic on a GPU), and the one
+way every chapter sets up its timing and says where it ran."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""minillm's Triton kernels: FlashAttention (dense, packed varlen, paged KV cache), a tiled matmul (`.matmul`) and
-products with int8/int4 weights dequantized inside the kernel (`int8_matmul`, `int4_matmul`).
+"""Chapter 5 — minillm's Triton kernels: FlashAttention (dense, packed varlen, paged KV cache), a tiled matmul
+(`.matmul`) and products with int8/int4 weights dequantized inside the kernel (`int8_matmul`, `int4_matmul`).
 
 The attention functions have the `flash_attn` package's signatures; `reference` holds plain PyTorch versions
 with the same signatures, and `use_triton(device)` is the one place that decides which path runs (on a CPU,

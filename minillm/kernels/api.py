@@ -1,4 +1,5 @@
-"""The flash_attn package's three entry points, on minillm's Triton kernel: same names, arguments and shapes.
+"""Chapter 5 — the flash_attn package's three entry points, on minillm's Triton kernel: same names, arguments
+and shapes.
 
 A reader with a GPU and flash-attn installed can swap `from flash_attn import ...` in for these (pass the
 arguments after v by keyword: that works with both). Inputs are checked here, at the boundary, with

@@ -1,4 +1,5 @@
-"""Which attention path runs: Triton kernels (compiled on a GPU, interpreted on a CPU) or plain PyTorch.
+"""Chapter 5 — which attention path runs: Triton kernels (compiled on a GPU, interpreted on a CPU) or plain
+PyTorch.
 
 Triton compiles for GPUs only; on a machine without CUDA its interpreter (`TRITON_INTERPRET=1`) runs the
 same kernel source with numpy, one program instance after another: slow, but exact enough to test with.

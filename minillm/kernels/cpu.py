@@ -1,4 +1,5 @@
-"""The CPU decode kernel: paged attention in C (`paged_decode.c`), compiled at first use and called through ctypes.
+"""Chapter 4 — the CPU decode kernel: paged attention in C (`paged_decode.c`), compiled at first use and called
+through ctypes.
 
 PyTorch has no attention over a paged cache, so its decode path first copies each sequence's keys and values
 out of the pool (`index_select`) and then runs SDPA over the copy: the context is read twice and written

@@ -1,4 +1,5 @@
-"""The FlashAttention forward kernel in Triton: one kernel for dense, packed (varlen) and paged key/value layouts.
+"""Chapter 5 — the FlashAttention forward kernel in Triton: one kernel for dense, packed (varlen) and paged
+key/value layouts.
 
 Each program owns a tile of BLOCK_M query rows of one sequence and one key/value head. It loads its queries
 into on-chip memory once, then streams the sequence's keys and values past them BLOCK_N at a time, keeping

@@ -1,4 +1,4 @@
-"""A tiled matrix multiply in Triton: the skeleton of every cuBLAS/CUTLASS GEMM, in about forty lines.
+"""Chapter 5 — a tiled matrix multiply in Triton: the skeleton of every cuBLAS/CUTLASS GEMM, in about forty lines.
 
 C = A @ B is cut into BLOCK_M x BLOCK_N output tiles, one program each. A program walks the shared K
 dimension BLOCK_K at a time, loading a tile of A and a tile of B into on-chip memory and accumulating their

@@ -1,4 +1,5 @@
-"""The online softmax in plain PyTorch: attention over one block of keys, merging partial results, tiled attention.
+"""Chapter 5 — the online softmax in plain PyTorch: attention over one block of keys, merging partial results,
+tiled attention.
 
 A partial result is a pair (o, lse): o the softmax-weighted average of the values it has seen, lse the
 log-sum-exp of its scaled scores, `log(sum_j exp(s_j))`, with o `[..., d]` and lse `[...]`. Two partials over

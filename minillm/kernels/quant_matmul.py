@@ -1,4 +1,5 @@
-"""Fused dequantize-matmul in Triton: `x @ W.T` with W stored as int8 or int4, decoded tile by tile in registers.
+"""Chapter 6 — fused dequantize-matmul in Triton: `x @ W.T` with W stored as int8 or int4, decoded tile by tile
+in registers.
 
 A decode step reads every weight once and does two FLOPs per weight per token, so its time is the time to
 read the weights. Stored as int8 (per output channel) or int4 (groups along K with a zero point, two values

@@ -1,4 +1,5 @@
-"""Plain PyTorch attention with the flash_attn signatures: the references every Triton kernel is tested against.
+"""Chapter 5 — plain PyTorch attention with the flash_attn signatures: the references every Triton kernel is
+tested against.
 
 Each one builds the whole score matrix in float32, exactly the "naive" attention that FlashAttention avoids.
 Conventions shared with flash-attn: GQA (query head h reads key/value head h // (nheads // nheads_k)); a

@@ -1,2 +1,2 @@
-"""Parallel execution on `torch.distributed` (gloo on a CPU, NCCL on GPUs): the collectives, counted
+"""Chapter 7 — parallel execution on `torch.distributed` (gloo on a CPU, NCCL on GPUs): the collectives, counted
 (`comm.py`), and sequence-parallel ring attention (`ring_attention.py`)."""

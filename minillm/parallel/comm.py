@@ -1,6 +1,6 @@
-"""Every collective of minillm's parallel code goes through `Comm`, which counts the bytes each rank sends and
-the time it waits, so that communication is measured rather than guessed; and `run_group`, which starts a group
-of worker processes that talk over loopback only.
+"""Chapter 7 — every collective of minillm's parallel code goes through `Comm`, which counts the bytes each rank
+sends and the time it waits, so that communication is measured rather than guessed; and `run_group`, which
+starts a group of worker processes that talk over loopback only.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""How a model is laid out over processes (vLLM's `ParallelConfig`): tensor parallel inside a pipeline stage,
-pipeline stages one after another, optionally experts spread over the tensor-parallel ranks.
+"""Chapter 7 — how a model is laid out over processes (vLLM's `ParallelConfig`): tensor parallel inside a
+pipeline stage, pipeline stages one after another, optionally experts spread over the tensor-parallel ranks.
 
 Rank `r` is tensor-parallel rank `r % tp` of pipeline stage `r // tp`; rank 0 also runs the scheduler.
 """

@@ -1,5 +1,6 @@
-"""Rank 0's side of a parallel layout (vLLM's multiprocessing executor): it starts the other ranks' processes,
-holds rank 0's shard itself, and runs each step by sending its plan to every rank and taking its part."""
+"""Chapter 7 — rank 0's side of a parallel layout (vLLM's multiprocessing executor): it starts the other ranks'
+processes, holds rank 0's shard itself, and runs each step by sending its plan to every rank and taking its
+part."""
 
 from __future__ import annotations
 

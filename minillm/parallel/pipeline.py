@@ -1,4 +1,5 @@
-"""One engine step on one rank of a parallel layout: the step's micro-batches flow through the pipeline stages.
+"""Chapter 7 — one engine step on one rank of a parallel layout: the step's micro-batches flow through the
+pipeline stages.
 
 Stage s takes micro-batch j's hidden states from stage s - 1, runs its layers (sharded over its tensor-parallel
 group, which all-reduces inside), and sends the result on to stage s + 1 while it starts on micro-batch j + 1.

@@ -1,4 +1,4 @@
-"""Sequence-parallel attention for long prompts: ring attention.
+"""Chapter 7 — sequence-parallel attention for long prompts: ring attention.
 
 Each of P ranks holds a contiguous slice of the sequence: its queries, keys and values. In P steps every rank
 attends from its queries to the key/value block it holds, then passes that block to the next rank and receives

@@ -1,5 +1,6 @@
-"""One rank's place in a parallel layout: its groups (all ranks; its stage's tensor-parallel ranks), made
-without `init_process_group`, so an `LLM` can start and stop its group as often as a notebook likes."""
+"""Chapter 7 — one rank's place in a parallel layout: its groups (all ranks; its stage's tensor-parallel
+ranks), made without `init_process_group`, so an `LLM` can start and stop its group as often as a notebook
+likes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism (Megatron-LM's split): each rank holds a slice of every weight matrix.
+"""Chapter 7 — tensor parallelism (Megatron-LM's split): each rank holds a slice of every weight matrix.
 
 A column-parallel layer splits the output features: rank r computes its slice of `x W^T` from the whole input,
 and nothing is communicated. A row-parallel layer splits the input features: rank r multiplies its slice of

@@ -1,4 +1,5 @@
-"""The process behind every rank but 0: it loads its shard of the model, then runs each step rank 0 plans.
+"""Chapter 7 — the process behind every rank but 0: it loads its shard of the model, then runs each step rank 0
+plans.
 
 Rank 0 (the process of the `LLM`) keeps the scheduler; a worker only follows. It stops on rank 0's word, when
 rank 0's process dies (the kernel signals it), or when a collective fails because a peer is gone.

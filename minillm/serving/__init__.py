@@ -1,4 +1,4 @@
-"""Serving: the engine behind an asyncio loop (`AsyncLLM`) and an OpenAI-compatible HTTP server."""
+"""Chapter 8 — serving: the engine behind an asyncio loop (`AsyncLLM`) and an OpenAI-compatible HTTP server."""
 
 from .api_server import build_app
 from .async_llm import AsyncLLM, EngineDeadError, EngineOverloaded, EngineUnavailable, RequestStream

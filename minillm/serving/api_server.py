@@ -1,4 +1,4 @@
-"""The HTTP front door: an OpenAI-compatible FastAPI app over an `AsyncLLM`.
+"""Chapter 8 — the HTTP front door: an OpenAI-compatible FastAPI app over an `AsyncLLM`.
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models (and /v1/models/{id}), /health, /metrics,
 /version, and vLLM's /tokenize, /detokenize and /tokenizer_info. Every error a client can cause comes back

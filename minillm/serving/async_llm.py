@@ -1,4 +1,4 @@
-"""The engine behind an asyncio server: one thread steps the engine, each request reads its own queue.
+"""Chapter 8 — the engine behind an asyncio server: one thread steps the engine, each request reads its own queue.
 
 `LLMEngine.step` is a blocking forward pass, so it runs in a thread of its own (the engine loop), never on
 the event loop that serves HTTP. Requests are added and aborted from the event loop (the engine takes

@@ -1,5 +1,5 @@
-"""/v1/chat/completions: a conversation through the chat template into one engine request (n completions),
-its outputs into OpenAI chat JSON, whole or as a stream of deltas."""
+"""Chapter 8 — /v1/chat/completions: a conversation through the chat template into one engine request
+(n completions), its outputs into OpenAI chat JSON, whole or as a stream of deltas."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""/v1/completions: prompts into engine requests, outputs into OpenAI JSON.
+"""Chapter 8 — /v1/completions: prompts into engine requests, outputs into OpenAI JSON.
 
 A streamed response is a sequence of chunks, each one JSON object carrying the new text of one choice;
 a non-streamed one is a single object built from each request's final output. Either way the engine

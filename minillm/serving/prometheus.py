@@ -1,4 +1,5 @@
-"""The server's /metrics: engine state and request latencies in Prometheus form, with vLLM's metric names.
+"""Chapter 8 — the server's /metrics: engine state and request latencies in Prometheus form, with vLLM's metric
+names.
 
 Gauges are read from the engine's stats when Prometheus scrapes; counters and latency histograms are fed
 from each step's outputs (`AsyncLLM.listeners`), and refusals (429, 503) by the app. Everything lives in

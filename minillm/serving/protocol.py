@@ -1,4 +1,4 @@
-"""The OpenAI request schemas the server accepts, validated by pydantic at the edge.
+"""Chapter 8 — the OpenAI request schemas the server accepts, validated by pydantic at the edge.
 
 Fields follow OpenAI's API and vLLM's additions (`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`,
 `prompt_logprobs`, `chat_template_kwargs`, ...). Every field named here is honoured, or refused with a 400

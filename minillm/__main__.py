@@ -32,7 +32,7 @@ def generate(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line: `generate`, `serve` and `bench`, each with every `EngineArgs` flag."""
-    parser = argparse.ArgumentParser(prog="python -m minillm", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m minillm", description=__doc__.partition(" — ")[2])
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream a reply to one prompt")
     gen.add_argument("prompt")

@@ -1,4 +1,4 @@
-"""The engine loop: requests in, one scheduled forward pass per `step`, token-by-token outputs out.
+"""Chapter 4 — the engine loop: requests in, one scheduled forward pass per `step`, token-by-token outputs out.
 
 Chapter 9 adds prefill/decode disaggregation (vLLM's KV connector): with a `kv_connector`, a request added with
 `do_remote_decode` stops after its first token and its output carries a handle (`kv_transfer_params`) while its
@@ -112,7 +112,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_kv_blocks, block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.executor)
-        self.max_model_len = min(self.config.max_position_embeddings, num_kv_blocks * block_size)
+        self.max_model_len = context_length(self.config, num_kv_blocks, block_size)
         self.eos_token_ids = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -429,6 +429,11 @@ class LLMEngine:
             "tensor_parallel_size": self.parallel.tensor_parallel_size,
             "pipeline_parallel_size": self.parallel.pipeline_parallel_size,
         }
+
+
+def context_length(config, num_kv_blocks: int, block_size: int) -> int:
+    """The longest sequence an engine serves: the model's positions, or fewer if its KV pool holds fewer tokens."""
+    return min(config.max_position_embeddings, num_kv_blocks * block_size)
 
 
 def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:

@@ -75,3 +75,12 @@ def wait_idle(client: httpx.Client, seconds: float = 20) -> dict[str, float]:
             return m
         assert time.monotonic() < deadline, f"engine not idle: {m}"
         time.sleep(0.05)
+
+
+def wait_for(condition, seconds: float, what: str):
+    """Poll `condition` until it returns something true (returned), failing after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return result

@@ -64,6 +64,7 @@ def test_with_an_api_key_the_key_is_the_client(tiny_llama):
     (["--router", "prefix"], "--router chooses among replicas"),
     (["--min-replicas", "2"], "autoscaling needs --max-replicas"),
     (["--replicas", "0"], "--replicas must be at least 1"),
+    (["--min-replicas", "0", "--max-replicas", "2"], "scale to zero) needs num_kv_blocks"),
 ])
 def test_serve_refuses_bad_gateway_and_replica_flags_before_loading(flags, message, capsys):
     with pytest.raises(SystemExit) as e:

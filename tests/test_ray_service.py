@@ -21,7 +21,7 @@ from openai.types.chat import ChatCompletionChunk
 from minillm import LLM, SamplingParams
 from minillm.engine_args import EngineArgs
 from minillm.serving.gateway import RateLimit
-from serving_utils import sse_events, wait_idle
+from serving_utils import sse_events, wait_for, wait_idle
 from tiny_models import build_tiny_model
 
 ray_app = pytest.importorskip("minillm.serving.ray_app", reason="ray[serve] is not installed")
@@ -60,14 +60,6 @@ def llm(model):
 def http(service):
     with httpx.Client(base_url=service.url, timeout=30) as c:
         yield c
-
-
-def wait_for(condition, seconds: float, what: str):
-    deadline = time.monotonic() + seconds
-    while not (result := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-    return result
 
 
 def test_the_openai_client_gets_llm_generate_s_text_from_both_replicas(service, llm):
@@ -176,3 +168,5 @@ def test_stopping_leaves_no_ray_process(service):
     assert alive == []
     left = subprocess.run(["pgrep", "-f", "raylet|gcs_server"], capture_output=True, text=True).stdout.split()
     assert not {p.pid for p in ray_processes} & {int(pid) for pid in left}
+    with pytest.raises(RuntimeError, match="not running"):
+        service.replica_stats()  # rather than start a Ray instance of its own to look for the application

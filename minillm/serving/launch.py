@@ -1,4 +1,4 @@
-"""Running the server: `python -m minillm serve` in the foreground, or `ServerThread` in the background.
+"""Chapter 8 — running the server: `python -m minillm serve` in the foreground, or `ServerThread` in the background.
 
 Shutting down is the same in both: new requests are refused (503), requests in flight get `drain_seconds`
 to finish, whatever is left is aborted (each open stream still ends with a final chunk and `[DONE]`),
@@ -29,7 +29,8 @@ from .limits import ServerLimits
 
 API_KEY_ENV = "MINILLM_API_KEY"  # the API key when --api-key is not given
 AUTOSCALING_FLAGS = (  # Serve's autoscaling_config, one flag per field
-    ("--min-replicas", int, "autoscaling: fewest replicas (default: 1)"),
+    ("--min-replicas", int, "autoscaling: fewest replicas (default: 1); 0 scales to zero when idle "
+                      "and needs --num-kv-blocks"),
     ("--max-replicas", int, "autoscale between --min-replicas and this many replicas, starting at --replicas"),
     ("--target-ongoing-requests", float, "autoscaling: requests in flight per replica to aim at (default: Serve's, 2)"),
     ("--upscale-delay-s", float, "autoscaling: seconds of high load before adding a replica (default: Serve's, 30)"),

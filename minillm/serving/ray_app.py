@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from ray import serve
 
-from ..engine import default_device_dtype
+from ..config import ModelConfig
+from ..engine import context_length, default_device_dtype
 from ..engine_args import EngineArgs
 from ..threads import available_cores
 from ..weights import DEFAULT_MODEL, resolve_model
@@ -42,9 +43,10 @@ HEALTH_CHECK_PERIOD_S = 2.0  # how soon Serve notices a replica that stopped ans
 class OpenAIIngress:
     """Chapter 8's app (`build_app`) over the replicas, with `x-minillm-replica` on what they served."""
 
-    def __init__(self, llm, model: str, model_name: str, max_waiting_requests: int | None, app_kw: dict):
+    def __init__(self, llm, model: str, model_name: str, max_waiting_requests: int | None, app_kw: dict,
+                 max_model_len: int | None = None):
         listen_on_node_ip()
-        self.llm = RemoteLLM(llm, model, max_waiting_requests)
+        self.llm = RemoteLLM(llm, model, max_waiting_requests, max_model_len)
         self.model_name, self.app_kw = model_name, app_kw
 
     def __serve_build_asgi_app__(self):
@@ -72,10 +74,15 @@ def build_application(engine_args: EngineArgs, replicas: int = 2, router: str | 
                       max_waiting_requests: int | None = 256, drain_seconds: float = 0.0,
                       **app_kw) -> serve.Application:
     """The Serve application: `replicas` engines (or `autoscaling`, Serve's AutoscalingConfig fields, starting
-    at `replicas`), routed by `router` (a name in `routers.ROUTERS`; None: Serve's default), behind the app.
+    at `replicas`; `min_replicas` 0 lets Serve remove every replica of an idle service), routed by `router`
+    (a name in `routers.ROUTERS`; None: Serve's default), behind the app.
     `app_kw` goes to `build_app` (limits, api_key, allowed_origins, rate_limit)."""
     if replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {replicas}")
+    scales_to_zero = bool(autoscaling) and autoscaling.get("min_replicas", 1) < 1
+    if scales_to_zero and engine_args.num_kv_blocks is None:
+        raise ValueError("min_replicas 0 (scale to zero) needs num_kv_blocks (--num-kv-blocks): with no replica "
+                         "up, the ingress computes the context length from it")
     path = resolve_model(engine_args.model)  # once, here, so every process loads the same directory
     max_replicas = autoscaling["max_replicas"] if autoscaling else replicas
     threads, resources = replica_resources(engine_args, max_replicas)
@@ -84,8 +91,6 @@ def build_application(engine_args: EngineArgs, replicas: int = 2, router: str | 
                    graceful_shutdown_timeout_s=drain_seconds, graceful_shutdown_wait_loop_s=0.1,
                    logging_config={"log_level": QUIET})
     if autoscaling:
-        if autoscaling.get("min_replicas", 1) < 1:
-            raise ValueError("min_replicas must be at least 1: the ingress takes the context length from a replica")
         options["autoscaling_config"] = {"initial_replicas": replicas, **autoscaling}
     else:
         options["num_replicas"] = replicas
@@ -94,12 +99,14 @@ def build_application(engine_args: EngineArgs, replicas: int = 2, router: str | 
 
         if (config := request_router_config(router, engine_args)) is not None:
             options["request_router_config"] = config
+    max_model_len = (context_length(ModelConfig.from_dir(path), engine_args.num_kv_blocks, engine_args.block_size)
+                     if scales_to_zero else None)  # otherwise learned from a replica
     llm = LLMServer.options(**options).bind(replace(engine_args, model=str(path), num_threads=threads))
     name = model_name or (path.name if engine_args.model else DEFAULT_MODEL)
     return OpenAIIngress.options(max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
                                  graceful_shutdown_timeout_s=drain_seconds, graceful_shutdown_wait_loop_s=0.1,
                                  logging_config={"log_level": QUIET}).bind(
-        llm, str(path), name, max_waiting_requests, app_kw)
+        llm, str(path), name, max_waiting_requests, app_kw, max_model_len)
 
 
 def free_port(host: str) -> int:
@@ -150,10 +157,19 @@ class RayService:
 
     def replica_stats(self) -> list[dict]:
         """Every live replica's `LLMServer.stats()` (replica id, pid, KV cache, queues); dead ones are left out."""
+        if self.url is None:  # Serve would start a fresh Ray instance to look for the application
+            raise RuntimeError("the service is not running: start() it first")
         handle = serve.get_deployment_handle(LLMServer.name, APP_NAME)
         with ThreadPoolExecutor(1) as pool:  # a notebook's cell runs inside an event loop, where Serve will not block
             results = pool.submit(lambda: handle.broadcast("stats").results(timeout_s=30, return_exceptions=True))
             return [r for r in results.result() if isinstance(r, dict)]
+
+    def replica_states(self) -> dict[str, int]:
+        """How many engine replicas are in each of Serve's states now (STARTING, RUNNING, STOPPING, ...; none: {})."""
+        if self.url is None:
+            raise RuntimeError("the service is not running: start() it first")
+        deployment = serve.status().applications[APP_NAME].deployments[LLMServer.name]
+        return {str(getattr(state, "value", state)): n for state, n in deployment.replica_states.items() if n}
 
     def kill_replica(self, replica_id: str | None = None) -> dict:
         """Kill one replica's process (SIGKILL, as a crash would), by id or the first found; returns its stats.

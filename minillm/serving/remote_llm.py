@@ -55,9 +55,13 @@ class RemoteLLM:
 
     A sequence counts as waiting from the moment it is sent until the next stats poll, then as the replicas
     report it; `max_waiting_requests` bounds that sum, as it bounds one engine's waiting queue.
+    `max_model_len` given (a service that may scale to zero) means no replica need be up: requests are sent
+    anyway and Serve starts one for them, and an idle service is not polled, so that its replicas see no
+    traffic at all and can be removed; otherwise the context length is learned from the first replica.
     """
 
-    def __init__(self, handle, model: str | Path, max_waiting_requests: int | None = None):
+    def __init__(self, handle, model: str | Path, max_waiting_requests: int | None = None,
+                 max_model_len: int | None = None):
         self.handle = handle  # a DeploymentHandle to the replicas
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         self.config = ModelConfig.from_dir(Path(model))
@@ -66,7 +70,8 @@ class RemoteLLM:
         self.failure_listeners: list = []  # never called: a failed replica is restarted by Serve, not fatal here
         self.error: BaseException | None = None
         self.open_streams = 0
-        self.max_model_len = 0
+        self.scales_to_zero = max_model_len is not None
+        self.max_model_len = max_model_len or 0
         self.replicas: dict[str, dict] = {}  # replica id -> its stats, for those that answered the last poll
         self._stats: dict = {}
         self._text: OutputProcessor | None = None  # the engine's token display, once max_model_len is known
@@ -78,12 +83,13 @@ class RemoteLLM:
     # --- lifecycle -------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Wait until a replica answers (its stats give the context length), then poll them all."""
-        while not self.replicas:
+        """Unless the context length is known, wait until a replica answers (its stats give it); then poll."""
+        while not self.scales_to_zero and not self.replicas:
             await self.poll()
             if not self.replicas:
                 await asyncio.sleep(STATS_PERIOD_S)
-        self.max_model_len = min(s["max_model_len"] for s in self.replicas.values())
+        if not self.scales_to_zero:
+            self.max_model_len = min(s["max_model_len"] for s in self.replicas.values())
         self._text = OutputProcessor(self.tokenizer, set(), self.max_model_len)
         self._accepting = True
         self._poller = asyncio.create_task(self._poll_forever())
@@ -96,7 +102,7 @@ class RemoteLLM:
 
     @property
     def accepting(self) -> bool:
-        return self._accepting and bool(self.replicas)
+        return self._accepting and (self.scales_to_zero or bool(self.replicas))
 
     def stop_accepting(self) -> None:
         self._accepting = False
@@ -229,8 +235,13 @@ class RemoteLLM:
             self._stats = {**first, **{k: sum(s[k] for s in self.replicas.values()) for k in ADDITIVE}}
 
     async def _poll_forever(self) -> None:
+        was_busy = True
         while True:
             await asyncio.sleep(STATS_PERIOD_S)
+            busy = bool(self._calls)
+            if self.scales_to_zero and not (busy or was_busy):
+                continue  # idle (polled once since the last request ended): leave the replicas alone
+            was_busy = busy
             try:
                 await self.poll()
             except Exception:  # keep polling: the next answer may come

@@ -3,7 +3,8 @@
 A response may come from any replica, and a client (or a benchmark of routers) wants to know which. Each
 engine call made while one HTTP request is handled puts a future of its replica's id in `REPLICAS`; the
 replica names itself first thing on its stream, so a streamed response, which starts before its first
-token, waits only for that.
+token, waits only for that (which is a whole cold start when Serve must first start a replica). Whatever else
+the app sends meanwhile, such as a stream's keep-alive ping, goes out after the response's start.
 """
 
 from __future__ import annotations
@@ -29,15 +30,17 @@ class IngressHeaders:
             return await self.app(scope, receive, send)
         replicas: list[asyncio.Future] = []
         token = REPLICAS.set(replicas)
+        in_order = asyncio.Lock()  # a message sent while the start waits for its replica goes after it
 
         async def send_with_replica(message):
-            if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
-                ids = [r for r in await asyncio.gather(*replicas) if r is not None]
-                if ids:
-                    headers.append((b"x-minillm-replica", ",".join(dict.fromkeys(ids)).encode("latin-1")))
-                message = {**message, "headers": headers}
-            await send(message)
+            async with in_order:
+                if message["type"] == "http.response.start":
+                    headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                    ids = [r for r in await asyncio.gather(*replicas) if r is not None]
+                    if ids:
+                        headers.append((b"x-minillm-replica", ",".join(dict.fromkeys(ids)).encode("latin-1")))
+                    message = {**message, "headers": headers}
+                await send(message)
 
         try:
             await self.app(scope, receive, send_with_replica)

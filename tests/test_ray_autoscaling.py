@@ -1,0 +1,41 @@
+"""Chapter 9's service scaled to zero, on a tiny model: with `min_replicas` 0 an idle service keeps no replica,
+a streamed request that arrives then still gets `LLM.generate`'s greedy text (Serve starts a replica for it,
+and the request waits for it), and the service empties again once it is idle."""
+
+import time
+
+import openai
+import pytest
+import torch
+
+from minillm import LLM, SamplingParams
+from minillm.engine_args import EngineArgs
+from serving_utils import wait_for
+
+ray_app = pytest.importorskip("minillm.serving.ray_app", reason="ray[serve] is not installed")
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray"),  # one Ray instance at a time on this machine
+              # Serve compares the look-back with its deprecated metrics_interval_s (10 s); a scale to zero a
+              # second after the last request is what this test wants
+              pytest.mark.filterwarnings("ignore:`look_back_period_s`:FutureWarning")]
+PROMPT = "Scale to zero"
+IDLE_TO_ZERO = {"min_replicas": 0, "max_replicas": 1, "upscale_delay_s": 0, "downscale_delay_s": 0,
+                "look_back_period_s": 1}  # Serve's defaults wait 30 s of look-back and 600 s before removing
+START_S = 120  # a replica's start: a new process imports torch and loads the model
+
+
+def test_an_idle_service_scales_to_zero_and_a_request_brings_a_replica_back(tiny_llama):
+    args = EngineArgs(model=str(tiny_llama), device="cpu", dtype="float32", num_kv_blocks=32)
+    with ray_app.RayService(args, replicas=1, autoscaling=IDLE_TO_ZERO, model_name="tiny") as service:
+        wait_for(lambda: not service.replica_states(), START_S, "the idle service to scale to zero")
+        client = openai.OpenAI(base_url=f"{service.url}/v1", api_key="unused", timeout=START_S, max_retries=0)
+        start = time.monotonic()
+        stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        text = "".join(chunk.choices[0].text for chunk in stream)
+        waited = time.monotonic() - start
+        assert service.replica_states().get("RUNNING") == 1
+        wait_for(lambda: not service.replica_states(), START_S, "the service to scale to zero again")
+    want = LLM(tiny_llama, device="cpu", dtype=torch.float32, num_kv_blocks=32).generate(
+        PROMPT, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    assert text == want
+    assert waited > 1  # it waited for a replica to start: a cold start, not a warm replica's milliseconds

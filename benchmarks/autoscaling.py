@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import math
 import os
@@ -75,10 +76,10 @@ def autoscaling(policy: dict) -> dict:
 
 
 async def sample_states(service: RayService, samples: list, stop: asyncio.Event, start: float) -> None:
-    """Append (seconds since `start`, {state: replicas}) every SAMPLE_S until `stop` is set."""
+    """Append [seconds since `start`, replicas starting, replicas running] every SAMPLE_S until `stop` is set."""
     while not stop.is_set():
         states = await asyncio.to_thread(service.replica_states)
-        samples.append((time.perf_counter() - start, states))
+        samples.append([round(time.perf_counter() - start, 2), states.get("STARTING", 0), states.get("RUNNING", 0)])
         try:
             await asyncio.wait_for(stop.wait(), SAMPLE_S)
         except TimeoutError:
@@ -117,8 +118,7 @@ FOUND = ("no replica running", "a scale-up under way", "warm")
 
 def found_at(samples: list, t: float) -> str:
     """What a request arriving at `t` found, from the last [time, starting, running] sample at or before it."""
-    times = [s[0] for s in samples]
-    _, starting, running = samples[max(0, np.searchsorted(times, t, side="right") - 1)]
+    _, starting, running = samples[max(0, bisect.bisect_right(samples, t, key=lambda s: s[0]) - 1)]
     return FOUND[0] if not running else FOUND[1] if starting else FOUND[2]
 
 
@@ -132,12 +132,10 @@ def run_policy(name: str, policy: dict | None, engine_args: EngineArgs, work, ar
         run, samples, start = asyncio.run(run_day(service, work, arrivals))
     if run.errors:
         raise RuntimeError(f"{name}: {len(run.errors)} requests failed, e.g. {run.errors[0]}")
-    times = np.array([t for t, _ in samples])
-    held = np.array([s.get("STARTING", 0) + s.get("RUNNING", 0) for _, s in samples])
-    replica_seconds = float(np.sum(held[:-1] * np.diff(times)))
+    times, starting, running = np.array(samples).T
+    replica_seconds = float(np.sum((starting + running)[:-1] * np.diff(times)))
     requests = sorted(({"arrival_s": r.arrival_time - start, "ttft_s": r.first_token_time - r.arrival_time}
                        for r in run.records), key=lambda q: q["arrival_s"])
-    samples = [[round(t, 2), s.get("STARTING", 0), s.get("RUNNING", 0)] for t, s in samples]
     for q in requests:
         q["found"] = found_at(samples, q["arrival_s"])
     return {"policy": name, "autoscaling": scaled, "replica_seconds": replica_seconds, "seconds": float(times[-1]),

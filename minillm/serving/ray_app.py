@@ -157,8 +157,7 @@ class RayService:
 
     def replica_stats(self) -> list[dict]:
         """Every live replica's `LLMServer.stats()` (replica id, pid, KV cache, queues); dead ones are left out."""
-        if self.url is None:  # Serve would start a fresh Ray instance to look for the application
-            raise RuntimeError("the service is not running: start() it first")
+        self._check_running()
         handle = serve.get_deployment_handle(LLMServer.name, APP_NAME)
         with ThreadPoolExecutor(1) as pool:  # a notebook's cell runs inside an event loop, where Serve will not block
             results = pool.submit(lambda: handle.broadcast("stats").results(timeout_s=30, return_exceptions=True))
@@ -166,10 +165,13 @@ class RayService:
 
     def replica_states(self) -> dict[str, int]:
         """How many engine replicas are in each of Serve's states now (STARTING, RUNNING, STOPPING, ...; none: {})."""
-        if self.url is None:
-            raise RuntimeError("the service is not running: start() it first")
+        self._check_running()
         deployment = serve.status().applications[APP_NAME].deployments[LLMServer.name]
         return {str(getattr(state, "value", state)): n for state, n in deployment.replica_states.items() if n}
+
+    def _check_running(self) -> None:
+        if self.url is None:  # Serve would start a fresh Ray instance to look for the application
+            raise RuntimeError("the service is not running: start() it first")
 
     def kill_replica(self, replica_id: str | None = None) -> dict:
         """Kill one replica's process (SIGKILL, as a crash would), by id or the first found; returns its stats.

@@ -84,11 +84,11 @@ class RemoteLLM:
 
     async def start(self) -> None:
         """Unless the context length is known, wait until a replica answers (its stats give it); then poll."""
-        while not self.scales_to_zero and not self.replicas:
-            await self.poll()
-            if not self.replicas:
-                await asyncio.sleep(STATS_PERIOD_S)
         if not self.scales_to_zero:
+            while not self.replicas:
+                await self.poll()
+                if not self.replicas:
+                    await asyncio.sleep(STATS_PERIOD_S)
             self.max_model_len = min(s["max_model_len"] for s in self.replicas.values())
         self._text = OutputProcessor(self.tokenizer, set(), self.max_model_len)
         self._accepting = True

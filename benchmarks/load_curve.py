@@ -98,6 +98,20 @@ def offered(url: str, model: str, work, rate: float, slo: dict[str, float], seed
             "queue": queue}
 
 
+def warmed(url: str, tokenizer, run: int) -> str:
+    """The served model's name, after a warm-up of 8 requests sent at once (prompts of run `run`)."""
+    model = asyncio.run(first_model(url))
+    asyncio.run(run_http(url, model, workload(tokenizer, 8, 99, run), [0.0] * 8, ignore_eos=True))
+    return model
+
+
+def at_load(url: str, model: str, tokenizer, rate: float, seconds: float, slo: dict[str, float], seed: int,
+            run: int) -> dict:
+    """`offered` at `rate` for `seconds` of arrivals (at least 8 requests), workload seed 10 + `seed`."""
+    n = max(round(rate * seconds), 8)
+    return offered(url, model, workload(tokenizer, n, 10 + seed, run), rate, slo, seed=seed)
+
+
 def alone(url: str, model: str, prompt: list[int], tokens: int = 8) -> tuple[float, float]:
     """TTFT and TPOT (ms) of one request on the idle server."""
     run = asyncio.run(run_http(url, model, [(prompt, tokens)], [0.0], ignore_eos=True))
@@ -147,33 +161,28 @@ def main() -> None:
           f"{ceiling['output_throughput']:.1f} output tok/s")
 
     flags = ("--max-num-seqs", str(MAX_NUM_SEQS))
-    sweep, runs = [], 1
+    sweep = []
     with ServerProcess(args.threads, *flags) as server:
-        model = asyncio.run(first_model(server.url))
-        asyncio.run(run_http(server.url, model, workload(tokenizer, 8, 99, runs), [0.0] * 8, ignore_eos=True))
+        model = warmed(server.url, tokenizer, run=1)
         longest = max((p for p, _ in batch), key=len)[1:]  # the ceiling's longest prompt, with fresh first tokens
         times = [alone(server.url, model, [997 + k] + longest) for k in range(3)]
         ttft_alone, tpot_alone = (statistics.median(t[i] for t in times) for i in (0, 1))
         slo = {"ttft_ms": 3 * ttft_alone, "tpot_ms": 3 * tpot_alone}
-        print(f"alone on the idle server (median of 3), the longest prompt ({len(longest) + 1} tokens): TTFT {ttft_alone:.0f} ms, "
-              f"TPOT {tpot_alone:.0f} ms; SLO: TTFT <= {slo['ttft_ms']:.0f} ms, TPOT <= {slo['tpot_ms']:.0f} ms")
+        print(f"alone on the idle server (median of 3), the longest prompt ({len(longest) + 1} tokens): "
+              f"TTFT {ttft_alone:.0f} ms, TPOT {tpot_alone:.0f} ms; SLO: TTFT <= {slo['ttft_ms']:.0f} ms, "
+              f"TPOT <= {slo['tpot_ms']:.0f} ms")
         print(f"\n(b) the sweep, {args.seconds:g} s of Poisson arrivals per load\n{HEADER}")
         for i, load in enumerate(args.loads):
-            runs += 1
-            rate = load * ceiling["request_rate"]
-            n = max(round(rate * args.seconds), 8)
-            result = offered(server.url, model, workload(tokenizer, n, 10 + i, runs), rate, slo, seed=i)
+            result = at_load(server.url, model, tokenizer, load * ceiling["request_rate"], args.seconds, slo,
+                             seed=i, run=2 + i)
             sweep.append({"load": load, **result})
             print(row(load, result), flush=True)
-    top = args.loads[-1]
+    top, last = args.loads[-1], len(args.loads) - 1
     with ServerProcess(args.threads, *flags, "--max-waiting-requests", str(args.queue_cap)) as server:
-        model = asyncio.run(first_model(server.url))
-        asyncio.run(run_http(server.url, model, workload(tokenizer, 8, 99, 98), [0.0] * 8, ignore_eos=True))
-        rate = top * ceiling["request_rate"]
-        n = max(round(rate * args.seconds), 8)
-        bounded = {"load": top, "queue_cap": args.queue_cap,
-                   **offered(server.url, model, workload(tokenizer, n, 10 + len(args.loads) - 1, 99), rate, slo,
-                             seed=len(args.loads) - 1)}
+        model = warmed(server.url, tokenizer, run=98)
+        bounded = {"load": top, "queue_cap": args.queue_cap,  # the last sweep run's requests, fresh prefixes
+                   **at_load(server.url, model, tokenizer, top * ceiling["request_rate"], args.seconds, slo,
+                             seed=last, run=99)}
     print(f"\n(c) {top:g}x the ceiling, waiting queue capped at {args.queue_cap} (429 beyond it) against (b)'s "
           f"uncapped run\n{HEADER}\n{row(top, sweep[-1])}   uncapped\n{row(top, bounded)}   capped")
     if args.json:

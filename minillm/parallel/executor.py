@@ -60,6 +60,11 @@ class MultiprocExecutor:
     def _send(self, message) -> None:
         if not self._stopper.alive:
             raise RuntimeError("this parallel executor has been shut down")
+        if lost := next((p for p in self._procs if not p.is_alive()), None):
+            # a rank that died between steps: gloo may notice only at its timeout (minutes), so check first
+            rank = self._procs.index(lost) + 1
+            self.shutdown()
+            raise self._failure(RuntimeError(f"parallel worker rank {rank} exited (code {lost.exitcode})"))
         try:
             self.ctx.control.broadcast_object(message)
         except RuntimeError as e:

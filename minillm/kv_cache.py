@@ -10,6 +10,7 @@ The size formula and the concurrency it allows after the weights are here too.
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,16 @@ def kv_cache_storage_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dty
     return KV_CACHE_DTYPES[kv_cache_dtype]
 
 
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor; on a CPU, anonymous memory that the OS maps as zero pages and backs only when touched, so a
+    large pool costs nothing until its blocks are used (`torch.zeros` writes every byte up front)."""
+    count = math.prod(shape)
+    if torch.device(device).type != "cpu" or count == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=count).view(shape)
+
+
 @dataclass
 class KVCache:
     """K and V pools, each `[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`.
@@ -128,10 +139,10 @@ class KVCache:
         """Zero-filled pools (zeros, not empty: masked-out slots must never hold NaN)."""
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         store = kv_cache_storage_dtype(kv_cache_dtype, dtype)
-        k, v = (torch.zeros(shape, dtype=store, device=device) for _ in range(2))
+        k, v = (zeros(shape, store, device) for _ in range(2))
         if kv_cache_dtype == "auto":
             return cls(k, v)
-        k_scale, v_scale = (torch.zeros(shape[:-1], dtype=torch.float32, device=device) for _ in range(2))
+        k_scale, v_scale = (zeros(shape[:-1], torch.float32, device) for _ in range(2))
         return cls(k, v, k_scale, v_scale)
 
     @property

@@ -132,3 +132,25 @@ def greedy_agreement(llm, prompts: list[list[int]], reference: list[list[int]]) 
     hits = [out.prompt_logprobs[len(p) + i][t].rank == 1
             for out, p, r in zip(forced, prompts, reference) for i, t in enumerate(r)]
     return Agreement(prefix, sum(hits) / len(hits), len(hits))
+
+
+def change_interval(base_nll: np.ndarray, nll: np.ndarray, block: int = 32, samples: int = 2000,
+                    level: float = 0.9, seed: int = 0) -> tuple[float, float, float]:
+    """A perplexity change in percent, `exp(mean(nll) - mean(base_nll)) - 1`, with a `level` interval.
+
+    Both models scored the same tokens, so the change is read from the per-token differences, resampled in
+    contiguous blocks of `block` tokens (a paired block bootstrap: neighbouring tokens are not independent).
+    The interval says how much the change depends on which stretch of text was scored, which is the noise a
+    ranking of two formats on one short text must clear. Returns (change, low, high).
+    """
+    base_nll, nll = np.asarray(base_nll, dtype=np.float64), np.asarray(nll, dtype=np.float64)
+    if base_nll.ndim != 1 or base_nll.shape != nll.shape or len(nll) < 2 * block:
+        raise ValueError(f"give two equal-length per-token NLL arrays of at least {2 * block} tokens")
+    diff = nll - base_nll
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level!r}")
+    blocks = diff[: len(diff) // block * block].reshape(-1, block).mean(axis=1)
+    rng = np.random.default_rng(seed)
+    means = blocks[rng.integers(0, len(blocks), size=(samples, len(blocks)))].mean(axis=1)
+    low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return tuple(100 * math.expm1(m) for m in (diff.mean(), low, high))

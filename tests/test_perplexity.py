@@ -10,7 +10,8 @@ import torch
 from conftest import requires_default_model
 from hf_reference import load_hf
 from minillm import LLM, SamplingParams
-from minillm.perplexity import PerplexityResult, eval_text, perplexity, sliding_windows, token_logprobs
+from minillm.perplexity import (PerplexityResult, change_interval, eval_text, perplexity, sliding_windows,
+                                token_logprobs)
 
 
 @torch.inference_mode()
@@ -145,3 +146,16 @@ def test_default_model_perplexity_matches_transformers(default_llm):
     assert result.num_tokens == 511
     assert result.perplexity == pytest.approx(math.exp(expected.mean()), rel=1e-3)
     np.testing.assert_allclose(result.token_nll, expected, rtol=1e-3, atol=1e-3)
+
+
+def test_change_interval_brackets_the_change_and_narrows_with_length():
+    rng = np.random.default_rng(1)
+    base = rng.exponential(2.0, 4096)
+    worse = base + 0.01 + rng.normal(0, 0.2, base.size)  # about +1 % perplexity, noisy per token
+    change, low, high = change_interval(base, worse)
+    assert low < change < high and low > 0  # 4096 tokens resolve a 1 % change
+    _, short_low, short_high = change_interval(base[:256], worse[:256])
+    assert short_high - short_low > 2 * (high - low)
+    assert change_interval(base, base) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="equal-length"):
+        change_interval(base, base[:100])

@@ -1,5 +1,5 @@
-"""Chapter 6 — weight-only quantization formats: int8 per output channel, int4 in groups with zero points, fp8
-e4m3.
+"""Chapter 6 — quantized weights: int8 per output channel, int4 in groups with zero points, fp8 e4m3 (what a kernel
+does with the activations is its own choice: see `QuantLinear.forward`).
 
 Each format stores a weight `[out, in]` as small numbers plus a few float scales per row (or per group of
 `group_size` inputs in a row), so a decode step, which reads every weight once, reads fewer bytes:

@@ -1,5 +1,5 @@
-"""Chapter 6 — int4 and int8 weight-only products on a CPU in C (`int4_matmul.c`): integer dot products at
-memory speed.
+"""Chapter 6 — int4 and int8 weights multiplied on a CPU in C (`int4_matmul.c`), the activations rounded to int8
+per block of 32: integer dot products at memory speed.
 
 PyTorch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` take bfloat16 activations and, at batch 1, read
 their weights far below the memory's speed. llama.cpp's way is faster: quantize each row of x to int8 per block

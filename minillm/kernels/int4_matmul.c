@@ -1,4 +1,4 @@
-/* Weight-only matrix products for CPUs: out = x W^T (+ residual), with W in one of two formats:
+/* Matrix products with quantized weights for CPUs: out = x W^T (+ residual), with W in one of two formats:
  *   int4  4-bit codes q in 0..15 with a scale s and zero point z per group of G inputs (w = q * s + z, GGUF's
  *         Q4_1), laid out by minillm/kernels/int4_cpu.py as
  *         wq    [tiles, K / 8, 16 rows, 4] bytes: byte (c, j, i) holds q[16t + j, 8c + i] in its low nibble and
@@ -10,9 +10,10 @@
  *         ws    [tiles, 16 rows] float32
  * x [M, K] float32; residual, out [M, N] float32 (residual may be NULL or equal out). The library is compiled at
  * first use by minillm/kernels/int4_cpu.py.
- * Each row of x is quantized to int8 per block of 32 (symmetric, one float scale a block, as llama.cpp's Q8
- * blocks), so the inner products run on integers: AVX512-VNNI's vpdpbusd (unsigned bytes times signed bytes,
- * four products summed into each 32-bit lane), AVX2's vpmaddubsw, or plain C, as the compiler finds.
+ * The products are not weight-only: each row of x is quantized to int8 per block of 32 (symmetric, one float scale
+ * a block, as llama.cpp's Q8 blocks), so the inner products run on integers: AVX512-VNNI's vpdpbusd (unsigned
+ * bytes times signed bytes, four products summed into each 32-bit lane), AVX2's vpmaddubsw, or plain C, as the
+ * compiler finds.
  * int4: the zero points need only the float sum of x over each group: sum w x = s sum q x + z sum x.
  * int8: vpdpbusd wants one operand unsigned, so the kernel flips each code's sign bit (q + 128 in 0..255) and
  * starts the block's integer sum at -128 * (sum of x's codes in the block): exact, and nothing more to read.

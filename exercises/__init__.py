@@ -1,8 +1,8 @@
 """Graded exercises: each `chNN_name/` holds a student stub, `reference.py` and point-carrying grader tests.
 
 Run `make grade CH=NN` (or `python -m exercises.grade NN`) to grade your stub; `python -m exercises.selfcheck`
-checks every grader against the `minillm` reference (full marks), the untouched stub and minillm's code
-handed in as a submission (zero).
+checks every grader against the `minillm` reference (full marks), the untouched stub and code that is not
+the student's handed in as a submission (zero).
 """
 
 from __future__ import annotations

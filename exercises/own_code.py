@@ -1,12 +1,22 @@
-"""Refuse a submission that hands in minillm's code as its own, so that re-exporting the answer earns nothing.
+"""Refuse a submission that hands in code it did not write, so that re-exporting an answer earns nothing.
 
 Each reference.py lists `GRADED`, the names the grader checks; the rest of its `__all__` is given to the
-student. A submission fails every test when a graded name comes from minillm (is minillm's object, a subclass
-of one, a wrapper around one, or runs code from a minillm file), or when anything in it uses the minillm
-modules that reference.py takes its code from, other than the given names. The check reads the loaded
-module and its source; it never patches minillm, so a grader can still run minillm's code beside the
-student's (chapter 4 drives minillm's Scheduler with the student's block manager). The solutions shipped
-with the exercises (`chNN_name/solution/`) are refused the same way, by module name.
+student. Off limits to a submission are minillm, the answers shipped with the exercises (every
+`chNN_name/reference.py` and `chNN_name/solution/`), and what reference.py names in `FORBIDDEN`, if it
+does: dotted names of modules or objects that would do the exercise's work, each barring itself and
+everything defined inside it. Chapter 6 bars `gguf.quants`, so the gguf package's block decoders are refused
+by whatever name reaches them (`gguf.quants.dequantize`, `gguf.dequantize`, `gguf.quants.Q4_1`), while the
+rest of gguf (`gguf.GGMLQuantizationType`) stays usable. Only the submission is barred: a grader may call
+them to check it.
+
+A submission fails every test when a graded name comes from code off limits (is such an object, a subclass of
+one, a wrapper around one, or runs code from a minillm file or a reference.py), or when anything in it reaches
+a shipped answer, a FORBIDDEN name, or one of the minillm modules that reference.py takes its code from, other
+than through the given names. "Anything in it" is its source (imports, attribute chains on imported names,
+dotted names written as strings, inside functions too) and its module-level names. Other minillm modules stay
+usable (`minillm.config`). The check reads the loaded module and its source; it never patches anything, so a
+grader can still run minillm's code beside the student's (chapter 4 drives minillm's Scheduler with the
+student's block manager).
 """
 
 from __future__ import annotations
@@ -21,8 +31,9 @@ from types import FunctionType, MethodType, ModuleType
 
 MARK = "not your own code"  # every refusal starts with it; selfcheck looks for it
 MINILLM_DIR = Path(importlib.util.find_spec("minillm").origin).parent
+EXERCISES_DIR = Path(__file__).resolve().parent
 METHODS = (FunctionType, MethodType, staticmethod, classmethod, property, functools.partial)  # class-body methods
-Source = tuple[str, str]  # (minillm module, qualified name in it; "" for the module itself)
+Source = tuple[str, str]  # (module off limits, qualified name in it; "" for the module itself)
 
 
 def is_minillm(name: object) -> bool:
@@ -30,14 +41,28 @@ def is_minillm(name: object) -> bool:
     return isinstance(name, str) and (name == "minillm" or name.startswith("minillm."))
 
 
-def is_solution(name: object) -> bool:
-    """Whether `name` is the dotted name of an exercise's shipped solution, or of something inside it."""
-    return isinstance(name, str) and re.fullmatch(r"exercises\.ch\d\d_\w+\.solution(\..+)?", name) is not None
+def is_shipped(name: object) -> bool:
+    """Whether `name` is the dotted name of an answer shipped with the exercises (a reference.py or a solution),
+    or of something inside one."""
+    return isinstance(name, str) and re.fullmatch(r"exercises\.ch\d\d_\w+\.(solution|reference)(\..+)?", name) is not None
 
 
-def off_limits(name: object) -> bool:
-    """Whether `name` names code a submission may not hand in as its own: minillm's or a shipped solution's."""
-    return is_minillm(name) or is_solution(name)
+def within(name: object, prefixes: tuple[str, ...]) -> bool:
+    """Whether the dotted `name` is one of `prefixes` or something inside one."""
+    return isinstance(name, str) and any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def off_limits(name: object, forbidden: tuple[str, ...] = ()) -> bool:
+    """Whether `name` names code a submission may not hand in as its own: minillm's, a shipped answer's, or a
+    name in `forbidden` (the exercise's FORBIDDEN)."""
+    return is_minillm(name) or is_shipped(name) or within(name, forbidden)
+
+
+def _leads_off_limits(name: object, forbidden: tuple[str, ...]) -> bool:
+    """Whether `name` is off limits or a package above such code (`gguf` above `gguf.quants`, `exercises` above
+    every shipped answer), so that the names a submission reads through it must be checked."""
+    return off_limits(name, forbidden) or isinstance(name, str) and (
+        re.fullmatch(r"exercises(\.ch\d\d_\w+)?", name) is not None or any(p.startswith(name + ".") for p in forbidden))
 
 
 def graded_names(ref: ModuleType) -> list[str]:
@@ -54,17 +79,26 @@ def given_objects(ref: ModuleType) -> tuple[object, ...]:
     return tuple(getattr(ref, name) for name in ref.__all__ if name not in graded)
 
 
+def forbidden_names(ref: ModuleType) -> tuple[str, ...]:
+    """The dotted names the exercise bars besides minillm and the shipped answers: its reference's FORBIDDEN."""
+    return tuple(getattr(ref, "FORBIDDEN", ()))
+
+
 def _code_source(code) -> Source | None:
-    """The minillm module a code object was compiled from, found by its file."""
+    """The minillm module or exercise reference a code object was compiled from, found by its file (whatever
+    name the file was loaded under)."""
     path = Path(code.co_filename).resolve()
-    if not path.is_relative_to(MINILLM_DIR):
-        return None
-    parts = ("minillm", *path.relative_to(MINILLM_DIR).with_suffix("").parts)
-    return ".".join(p for p in parts if p != "__init__"), code.co_qualname
+    if path.is_relative_to(MINILLM_DIR):
+        parts = ("minillm", *path.relative_to(MINILLM_DIR).with_suffix("").parts)
+        return ".".join(p for p in parts if p != "__init__"), code.co_qualname
+    if path.name == "reference.py" and path.parent.parent == EXERCISES_DIR and re.fullmatch(r"ch\d\d_\w+", path.parent.name):
+        return f"exercises.{path.parent.name}.reference", code.co_qualname
+    return None
 
 
-def minillm_source(obj: object, allowed: tuple[object, ...] = (), _seen: set[int] | None = None) -> Source | None:
-    """Where in minillm `obj` comes from: itself, what it wraps, a base class or a method; None if nowhere.
+def source_of(obj: object, forbidden: tuple[str, ...] = (), allowed: tuple[object, ...] = (),
+              _seen: set[int] | None = None) -> Source | None:
+    """Where off limits `obj` comes from: itself, what it wraps, a base class or a method; None if nowhere.
 
     Objects in `allowed` (the given names) count as the student's own, and so do classes built on them.
     """
@@ -74,10 +108,10 @@ def minillm_source(obj: object, allowed: tuple[object, ...] = (), _seen: set[int
     seen.add(id(obj))
 
     def inner(*objs: object) -> Source | None:
-        return next((s for o in objs if o is not None and (s := minillm_source(o, allowed, seen))), None)
+        return next((s for o in objs if o is not None and (s := source_of(o, forbidden, allowed, seen))), None)
 
     if isinstance(obj, ModuleType):
-        return (obj.__name__, "") if off_limits(obj.__name__) else None
+        return (obj.__name__, "") if off_limits(obj.__name__, forbidden) else None
     if isinstance(obj, functools.partial):
         return inner(obj.func)
     if isinstance(obj, (MethodType, staticmethod, classmethod)):
@@ -88,13 +122,13 @@ def minillm_source(obj: object, allowed: tuple[object, ...] = (), _seen: set[int
         for cls in obj.__mro__[:-1]:  # every class but `object`
             if any(cls is a for a in allowed):
                 continue
-            if off_limits(cls.__module__):
+            if off_limits(cls.__module__, forbidden):
                 return cls.__module__, cls.__qualname__
             if found := inner(*(v for v in vars(cls).values() if isinstance(v, METHODS))):
                 return found
         return None
     if isinstance(obj, FunctionType):
-        if off_limits(obj.__module__):
+        if off_limits(obj.__module__, forbidden):
             return obj.__module__, obj.__qualname__
         if found := _code_source(obj.__code__):
             return found
@@ -104,28 +138,28 @@ def minillm_source(obj: object, allowed: tuple[object, ...] = (), _seen: set[int
 
 def rebuilt_modules(ref: ModuleType) -> set[str]:
     """The minillm modules the exercise rebuilds: those its reference.py takes objects from."""
-    return {src[0] for value in vars(ref).values() if (src := minillm_source(value))}
+    return {src[0] for value in vars(ref).values() if (src := source_of(value)) and is_minillm(src[0])}
 
 
-def _named(source: str) -> Iterator[tuple[int, str]]:
-    """(line, dotted minillm name) for each import of minillm, each attribute read on an imported name, and
-    each string that is a dotted minillm name."""
+def _named(source: str, forbidden: tuple[str, ...]) -> Iterator[tuple[int, str]]:
+    """(line, dotted name) for each import that may lead off limits, each attribute read on a name it binds, and
+    each string that is such a dotted name."""
     tree = ast.parse(source)
-    aliases = {}  # local name -> the dotted minillm name it stands for
+    aliases = {}  # local name -> the dotted name it stands for
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            for a in (a for a in node.names if off_limits(a.name)):
+            for a in (a for a in node.names if _leads_off_limits(a.name, forbidden)):
                 yield node.lineno, a.name
                 bound = a.name if a.asname else a.name.split(".")[0]  # `import minillm.x` binds `minillm`
                 aliases[a.asname or bound] = bound
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             for a in node.names:
                 full = node.module if a.name == "*" else f"{node.module}.{a.name}"
-                if off_limits(full):  # `from exercises.chNN_x import solution` too
-                    yield node.lineno, full
+                if _leads_off_limits(node.module, forbidden) or _leads_off_limits(full, forbidden):
+                    yield node.lineno, full  # `from exercises.chNN_x import solution`, `from gguf import x` too
                     aliases[a.asname or a.name] = full
     for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and off_limits(node.value) and all(
+        if isinstance(node, ast.Constant) and _leads_off_limits(node.value, forbidden) and all(
                 part.isidentifier() for part in node.value.split(".")):  # importlib.import_module("minillm.x")
             yield node.lineno, node.value
         chain = []
@@ -137,7 +171,7 @@ def _named(source: str) -> Iterator[tuple[int, str]]:
 
 
 def _resolve(dotted: str) -> object | None:
-    """The object a dotted minillm name stands for (importing submodules on the way), or None."""
+    """The object a dotted name stands for (importing submodules on the way), or None."""
     parts = dotted.split(".")
     try:
         obj = importlib.import_module(parts[0])
@@ -154,17 +188,20 @@ def _resolve(dotted: str) -> object | None:
 
 
 def _problems(module: ModuleType, source: str, ref: ModuleType) -> Iterator[str]:
-    """Each way the submission uses minillm's code: graded names first, then its source, then its other names."""
-    graded, given, rebuilt = graded_names(ref), given_objects(ref), rebuilt_modules(ref)
+    """Each way the submission uses code off limits: graded names first, then its source, then its other names."""
+    graded, given, forbidden, rebuilt = graded_names(ref), given_objects(ref), forbidden_names(ref), rebuilt_modules(ref)
+
+    def barred(src: Source | None) -> bool:  # any minillm module is fine to use but those the exercise rebuilds
+        return src is not None and (src[0] in rebuilt or is_shipped(src[0]) or within(src[0], forbidden))
+
     for name in graded:
-        if hasattr(module, name) and (src := minillm_source(getattr(module, name), given)):
+        if hasattr(module, name) and (src := source_of(getattr(module, name), forbidden, given)):
             yield f"`{name}` comes from {_dotted(src)}"
-    for line, dotted in _named(source):
-        if (src := minillm_source(_resolve(dotted), given)) and (src[0] in rebuilt or is_solution(src[0])):
+    for line, dotted in _named(source, forbidden):
+        if barred(source_of(_resolve(dotted), forbidden, given)):
             yield f"line {line} uses {dotted}"
     for name, value in vars(module).items():
-        if not name.startswith("__") and (src := minillm_source(value, given)) and (
-                src[0] in rebuilt or is_solution(src[0])):
+        if not name.startswith("__") and barred(src := source_of(value, forbidden, given)):
             yield f"`{name}` comes from {_dotted(src)}"
 
 
@@ -173,6 +210,6 @@ def _dotted(src: Source) -> str:
 
 
 def not_own_code(module: ModuleType, source: str, ref: ModuleType) -> str | None:
-    """The first way the submission hands in minillm's code for what is graded, as a one-line reason; or None."""
+    """The first way the submission hands in code off limits for what is graded, as a one-line reason; or None."""
     problem = next(_problems(module, source, ref), None)
     return f"{MARK}: {problem}" if problem else None

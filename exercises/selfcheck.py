@@ -1,7 +1,11 @@
-"""Check every grader: the minillm reference must earn full marks; the untouched stub, a re-export of minillm
-and a copy of reference.py must earn exactly zero; and where an exercise keeps a solution written from its
-stub alone (`solution/<stub name>`), that solution must earn full marks too, which proves the stub's
-signatures and docstrings say everything the grader checks, while a submission importing it earns zero.
+"""Check every grader: the minillm reference must earn full marks; the untouched stub and every submission of
+code that is not the student's must earn exactly zero, each failing test saying "not your own code": a re-export
+of minillm, a copy of reference.py, an import of reference.py (`from ... import *`, and the module with each
+exported name read from it), an import of the exercise's solution if it keeps one, and each file in
+`chNN_name/refused/` (required where reference.py declares FORBIDDEN: a submission that would earn points by
+letting a barred library do the work). Where an exercise keeps a solution written from its stub alone
+(`solution/<stub name>`), that solution must earn full marks too, which proves the stub's signatures and
+docstrings say everything the grader checks.
 
 `python -m exercises.selfcheck` prints one line per exercise (two exercises are checked at a time) and exits
 non-zero on any failure.
@@ -22,11 +26,16 @@ from exercises.grade import TestResult, run_grader, score
 from exercises.own_code import MARK, is_minillm
 
 
+def declared(reference: Path, name: str) -> object | None:
+    """The literal value reference.py assigns to `name` at module level (`__all__`, `FORBIDDEN`), or None."""
+    tree = ast.parse(reference.read_text())
+    return next((ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                 and any(isinstance(t, ast.Name) and t.id == name for t in node.targets)), None)
+
+
 def reexport_source(reference: Path) -> str:
     """A submission that imports from minillm exactly the names reference.py exports from minillm."""
-    tree = ast.parse(reference.read_text())
-    exported = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
-                    and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets))
+    tree, exported = ast.parse(reference.read_text()), declared(reference, "__all__")
     imports = [ast.ImportFrom(node.module, [a for a in node.names if (a.asname or a.name) in exported], 0)
                for node in tree.body if isinstance(node, ast.ImportFrom) and is_minillm(node.module)]
     return "".join(ast.unparse(node) + "\n" for node in imports if node.names)
@@ -47,20 +56,31 @@ def _problems(reference: list[TestResult], stub: list[TestResult], cheats: dict[
     return lines
 
 
-def _grade_cheats(directory: Path, stub: Path) -> dict[str, list[TestResult]]:
-    """Grade submissions of code that is not the student's: a re-export of minillm's names, reference.py copied,
-    and an import of the solution the exercise ships, if any."""
+def _cheat_sources(directory: Path, stub: Path) -> dict[str, str]:
+    """The submissions of code that is not the student's, by name: a re-export of minillm's names, reference.py
+    copied, reference.py imported (all of it, and as a module whose exported names are read), and the solution
+    the exercise ships imported, if any."""
     reference, solution = directory / "reference.py", directory / "solution" / stub.name
+    module, exported = f"exercises.{directory.name}.reference", declared(reference, "__all__")
+    cheats = {"re-export": reexport_source(reference), "reference copy": reference.read_text(),
+              "reference import": f"from {module} import *\n",
+              "reference module": f"import {module} as r\n\n" + "".join(f"{n} = r.{n}\n" for n in exported)}
+    if solution.is_file():
+        cheats["solution import"] = f"from exercises.{directory.name}.solution.{solution.stem} import *\n"
+    return cheats
+
+
+def _grade_cheats(directory: Path, stub: Path) -> dict[str, list[TestResult]]:
+    """Grade each cheat of `_cheat_sources`, then each file in `refused/`, named by its stem."""
     with tempfile.TemporaryDirectory() as tmp:
-        reexport, copy = Path(tmp) / "reexport.py", Path(tmp) / "reference_copy.py"
-        reexport.write_text(reexport_source(reference))
-        copy.write_text(reference.read_text())
-        cheats = {"re-export": run_grader(directory, str(reexport)), "reference copy": run_grader(directory, str(copy))}
-        if solution.is_file():
-            imported = Path(tmp) / "solution_import.py"
-            imported.write_text(f"from exercises.{directory.name}.solution.{solution.stem} import *\n")
-            cheats["solution import"] = run_grader(directory, str(imported))
-        return cheats
+        graded = {}
+        for i, (what, source) in enumerate(_cheat_sources(directory, stub).items()):
+            path = Path(tmp) / f"cheat_{i}.py"
+            path.write_text(source)
+            graded[what] = run_grader(directory, str(path))
+    for path in sorted((directory / "refused").glob("*.py")):
+        graded[path.stem.replace("_", " ")] = run_grader(directory, str(path))
+    return graded
 
 
 def _grade_solution(directory: Path, stub: Path) -> list[TestResult] | None:
@@ -73,6 +93,8 @@ def check(directory: Path) -> tuple[bool, str]:
     """Grade the reference, the untouched stub, minillm's code handed in as a submission and the solution
     written from the stub, if any; (ok, report lines)."""
     start = time.perf_counter()
+    if declared(directory / "reference.py", "FORBIDDEN") and not any((directory / "refused").glob("*.py")):
+        return False, f"{directory.name}: FAIL  reference.py declares FORBIDDEN, but refused/ shows no submission using it"
     try:
         stub_path = stub_file(directory)
         ref, stub = run_grader(directory, "reference"), run_grader(directory, "stub")

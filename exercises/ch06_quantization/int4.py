@@ -1,9 +1,10 @@
-"""Exercise 6 — int4 weights: quantize in groups, pack two per byte, and read llama.cpp's Q4_1 blocks.
+"""Exercise 6 — int4 weights: quantize in groups, pack two per byte, read llama.cpp's Q4_1 blocks, multiply by a
+packed weight and measure what the format loses.
 
 Replace each `raise NotImplementedError(...)` with your code, then run `make grade CH=06`.
-Use plain Python, PyTorch (and numpy or `struct` if you like); do not import minillm.quant or
-minillm.gguf_blocks (that is what you are rebuilding), and do not call the `gguf` package's dequantize
-(the grader compares your decoder with it).
+Use plain Python, PyTorch (and numpy or `struct` if you like); do not import minillm.quant,
+minillm.gguf_blocks or minillm.kernels.quant_matmul (that is what you are rebuilding), and do not use the
+`gguf` package's decoders in `gguf.quants` (the grader compares your decoder with them).
 
 The format: a weight `[out, in]` is cut into groups of `group_size` consecutive inputs of a row. Each group
 keeps a float32 `zero` (its smallest value) and `scale` (its range over 15), and each weight becomes an
@@ -61,3 +62,28 @@ def decode_q4_1(raw: bytes) -> torch.Tensor:
     do their weights in the result. Raise ValueError when len(raw) is not a multiple of 20.
     """
     raise NotImplementedError("decode_q4_1: write this function")
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                group_size: int) -> torch.Tensor:
+    """y = x @ W.T for an int4 weight W `[N, K]` kept packed: what a linear layer with a quantized weight computes.
+
+    x is `[M, K]` (a batch of M tokens) in float32, bfloat16 or float16. packed is uint8 `[N, K / 2]`, pack_int4
+    of the q that quantize_int4 returns; scale and zero are floating-point `[N, K / group_size]`, and
+    W[n, k] = q[n, k] * scale[n, k // group_size] + zero[n, k // group_size]. group_size is a power of two.
+    Returns y `[M, N]` in x's dtype, accumulated in float32: for float32 x the float32 product (to within
+    rounding), for 16-bit x within 1 % of it.
+    Raise ValueError when x is not 2-D with K = 2 * packed.shape[1] columns, when group_size does not divide K,
+    or when scale or zero is not `[N, K / group_size]`.
+    """
+    raise NotImplementedError("int4_matmul: write this function")
+
+
+def quantization_error(w: torch.Tensor, group_sizes: list[int]) -> dict[int, float]:
+    """What int4 in groups loses, per group size: {G: ||dequantize(quantize(w, G)) - w|| / ||w|| for G in group_sizes}.
+
+    w is a 2-D floating-point weight `[out, in]`, not all zero, converted to float32 first; quantize and dequantize
+    are quantize_int4 and dequantize_int4 above; ||.|| is the Frobenius norm (the square root of the sum of the
+    squares of all elements). Every G divides `in`. Returns Python floats, keyed by G in the order given.
+    """
+    raise NotImplementedError("quantization_error: write this function")

@@ -1,4 +1,5 @@
-"""Grader for exercise 6: your int4 quantizer, packing and Q4_1 decoder against minillm's and the `gguf` package."""
+"""Grader for exercise 6: your int4 quantizer, packing, Q4_1 decoder, int4 product and error measure against
+minillm's and the `gguf` package."""
 
 import struct
 
@@ -10,6 +11,7 @@ from gguf.quants import dequantize
 from torch.testing import assert_close
 
 SHAPES = [(8, 64, 32), (16, 96, 32), (5, 128, 64), (3, 256, 128), (2, 24, 8)]  # (out, in, group_size)
+MATMUL_SHAPES = [(1, 16, 64, 32), (4, 48, 256, 64), (7, 64, 512, 128), (3, 24, 96, 32), (16, 32, 128, 8)]  # M, N, K, G
 
 
 def randn(*shape, seed, dtype=torch.float32, scale=1.0):
@@ -170,3 +172,89 @@ def test_decode_q4_1_rejects_partial_blocks(impl):
         with pytest.raises(ValueError):
             impl.decode_q4_1(bytes(size))
             pytest.fail(f"{size} bytes is not a whole number of 20-byte blocks: no ValueError")
+
+
+@pytest.mark.points(2)
+def test_int4_matmul_matches_dequantized_product(impl, ref):
+    for seed, (m, n, k, g) in enumerate(MATMUL_SHAPES):
+        q, scale, zero = ref.quantize_int4(randn(n, k, seed=100 + seed), g)
+        x = randn(m, k, seed=110 + seed)
+        y = impl.int4_matmul(x, ref.pack_int4(q), scale, zero, g)
+        where = f"x [{m}, {k}], W [{n}, {k}], group {g}"
+        what = f"{y.dtype} {tuple(y.shape)}" if isinstance(y, torch.Tensor) else type(y).__name__
+        assert isinstance(y, torch.Tensor) and y.dtype == torch.float32 and y.shape == (m, n), \
+            f"{where}: y is {what}, expected float32 ({m}, {n})"
+        assert_close(y, x @ ref.dequantize_int4(q, scale, zero).T, rtol=1e-4, atol=1e-4,
+                     msg=lambda e: f"{where}: y differs from x @ W.T with W dequantized by minillm: {e}")
+
+
+@pytest.mark.points(1)
+def test_int4_matmul_half_precision_activations(impl, ref):
+    q, scale, zero = ref.quantize_int4(randn(32, 256, seed=120), 64)
+    for dtype in (torch.bfloat16, torch.float16):
+        x, s, z = randn(5, 256, seed=121, dtype=dtype), scale.to(dtype), zero.to(dtype)  # as a layer stores them
+        y = impl.int4_matmul(x, ref.pack_int4(q), s, z, 64)
+        assert y.dtype == dtype and y.shape == (5, 32), f"{dtype} x: y is {y.dtype} {tuple(y.shape)}"
+        want = x.float() @ ref.dequantize_int4(q, s.float(), z.float()).T
+        error = float((y.float() - want).norm() / want.norm())
+        assert error < 1e-2, f"{dtype} x: y is {error:.2%} off the float32 product (relative Frobenius error)"
+
+
+@pytest.mark.points(1)
+def test_int4_matmul_rejects_mismatched_shapes(impl, ref):
+    q, scale, zero = ref.quantize_int4(randn(16, 128, seed=130), 32)
+    packed, x = ref.pack_int4(q), randn(2, 128, seed=131)
+    assert impl.int4_matmul(x, packed, scale, zero, 32).shape == (2, 16), "x [2, 128] @ W.T for W [16, 128]"
+    bad = {"x [2, 127] for K = 128": (randn(2, 127, seed=132), packed, scale, zero, 32),
+           "x [2, 64] for K = 128": (randn(2, 64, seed=133), packed, scale, zero, 32),
+           "a 1-D x": (randn(128, seed=134), packed, scale, zero, 32),
+           "scale [16, 3] for [16, 4]": (x, packed, scale[:, :3], zero, 32),
+           "zero [15, 4] for [16, 4]": (x, packed, scale, zero[:15], 32),
+           "group 64 with the scales of group 32": (x, packed, scale, zero, 64),
+           "group 256 for K = 128": (x, packed, scale, zero, 256)}
+    for what, args in bad.items():
+        with pytest.raises(ValueError):
+            impl.int4_matmul(*args)
+            pytest.fail(f"{what}: no ValueError")
+
+
+@pytest.mark.points(2)
+def test_quantization_error_matches_reference(impl, ref):
+    cases = [(16, 256, [8, 32, 128, 256], torch.float32), (5, 96, [32, 96], torch.float32),
+             (8, 128, [64, 16], torch.bfloat16)]
+    for seed, (out, inp, groups, dtype) in enumerate(cases):
+        w = randn(out, inp, seed=140 + seed, dtype=dtype)
+        got, want = impl.quantization_error(w, groups), ref.quantization_error(w, groups)
+        assert isinstance(got, dict) and list(got) == groups, \
+            f"w [{out}, {inp}]: expected a dict keyed by the group sizes {groups} in order, got {got!r}"
+        assert all(isinstance(v, float) for v in got.values()), f"the errors must be Python floats, got {got!r}"
+        for g in groups:
+            assert got[g] == pytest.approx(want[g], rel=1e-4), \
+                f"w [{out}, {inp}] {dtype}, group {g}: error {got[g]:.6g}, minillm's {want[g]:.6g}"
+
+
+@pytest.mark.points(1)
+def test_quantization_error_grows_with_group_size(impl):
+    w = randn(64, 512, seed=150)
+    outliers = torch.randint(0, w.numel(), (40,), generator=torch.Generator().manual_seed(151))
+    w.view(-1)[outliers] *= 20  # a few large weights, as real layers have: they stretch their group's range
+    groups = [8, 16, 32, 64, 128, 256, 512]
+    errors = impl.quantization_error(w, groups)
+    values = [errors[g] for g in groups]
+    shown = ", ".join(f"G={g}: {e:.4f}" for g, e in zip(groups, values))
+    assert all(a < b for a, b in zip(values, values[1:])), f"the error must grow with the group size: {shown}"
+    assert values[-1] > 3 * values[0], f"a whole row per group should lose over 3x more than groups of 8: {shown}"
+
+
+@pytest.mark.points(1)
+def test_quantization_error_zero_on_an_int4_grid(impl):
+    gen = torch.Generator().manual_seed(160)
+    out, inp, g = 8, 128, 32
+    q = torch.randint(0, 16, (out, inp), generator=gen)
+    q.view(out, -1, g)[..., 0], q.view(out, -1, g)[..., 1] = 0, 15  # each group spans the whole grid
+    scale = 2.0 ** -torch.randint(2, 8, (out, inp // g), generator=gen).float()  # powers of two: exact products
+    zero = torch.randint(-64, 64, (out, inp // g), generator=gen).float() / 16
+    w = (q.float().view(out, -1, g) * scale[..., None] + zero[..., None]).view(out, inp)
+    errors = impl.quantization_error(w, [g, 2 * g])
+    assert errors[g] < 1e-6, f"w already on the int4 grid of group {g} must come back exactly, error {errors[g]:.3g}"
+    assert errors[2 * g] > 1e-3, f"groups of {2 * g} straddle two grids and lose something, error {errors[2 * g]:.3g}"

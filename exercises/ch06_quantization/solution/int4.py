@@ -58,3 +58,25 @@ def decode_q4_1(raw: bytes) -> torch.Tensor:
         weights.append(torch.tensor(d, dtype=torch.float32) * torch.tensor(q, dtype=torch.float32)
                        + torch.tensor(m, dtype=torch.float32))
     return torch.cat(weights) if weights else torch.zeros(0)
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                group_size: int) -> torch.Tensor:
+    """x `[M, K]` @ W.T for W unpacked from `packed` and dequantized, in float32, returned in x's dtype."""
+    n, k = packed.shape[0], 2 * packed.shape[-1]
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}] to match packed {tuple(packed.shape)}, got {tuple(x.shape)}")
+    if k % group_size:
+        raise ValueError(f"group_size {group_size} does not divide K = {k}")
+    for name, t in (("scale", scale), ("zero", zero)):
+        if tuple(t.shape) != (n, k // group_size):
+            raise ValueError(f"{name} must be {(n, k // group_size)}, got {tuple(t.shape)}")
+    w = dequantize_int4(unpack_int4(packed), scale.float(), zero.float())
+    return (x.float() @ w.T).to(x.dtype)
+
+
+def quantization_error(w: torch.Tensor, group_sizes: list[int]) -> dict[int, float]:
+    """{G: ||dequantize(quantize(w, G)) - w|| / ||w||}, Frobenius norms in float32."""
+    w = w.float()
+    return {g: float(torch.linalg.norm(dequantize_int4(*quantize_int4(w, g)) - w) / torch.linalg.norm(w))
+            for g in group_sizes}

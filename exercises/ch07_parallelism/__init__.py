@@ -1,1 +1,2 @@
-"""Exercise 7: tensor-parallel weight shards and MLP with one all-reduce, and the merge step of ring attention."""
+"""Exercise 7: tensor-parallel weight shards and MLP with one all-reduce, and the dispatch and combine of expert
+parallelism."""

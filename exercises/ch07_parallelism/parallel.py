@@ -1,12 +1,15 @@
-"""Exercise 7 — parallelism: Megatron's split of an MLP over ranks, and the merge step of ring attention.
+"""Exercise 7 — parallelism: Megatron's split of an MLP over ranks, and the dispatch and combine of expert
+parallelism.
 
 Replace each `raise NotImplementedError(...)` with your code, then run `make grade CH=07`.
-Use plain PyTorch; do not import minillm.parallel.tensor_parallel, minillm.kernels.online_softmax or
-minillm.layers (that is what you are rebuilding). `Comm` is given: the grader runs your `parallel_mlp` on
-2 and 3 processes, each with its own `comm`, whose
+Use plain PyTorch; do not import minillm.parallel.tensor_parallel, minillm.moe or minillm.layers (that is what
+you are rebuilding). `Comm` is given: the grader runs your `parallel_mlp` on 2 and 3 processes, each with its
+own `comm`, whose
   comm.rank, comm.world_size   are this process's rank (0 .. P - 1) and the number of ranks P,
   comm.all_reduce(t)           sums t over the ranks, in place, and returns it (the same shape on every rank),
-and which counts each collective it runs in `comm.stats`.
+and which counts each collective it runs in `comm.stats`. It runs your `sort_by_expert` and `combine` inside
+minillm's expert-parallel Mixture-of-Experts layer, on 2 and 3 processes, as the first and the last step of
+its all-to-all exchange.
 
 Weights are stored as torch.nn.functional.linear wants them: `[out, in]`, so that y = x @ w.T.
 """
@@ -51,15 +54,30 @@ def parallel_mlp(comm: Comm, x: torch.Tensor, gate_up_shard: torch.Tensor, down_
     raise NotImplementedError("parallel_mlp: write this function")
 
 
-def merge_partials(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
-                   lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two partial attention results over disjoint key sets into the one over their union: (o, lse).
+def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group a batch's (token, expert) pairs by expert: the first step of dispatching them to the experts' ranks.
 
-    A partial (o `[..., d]`, lse `[...]`) over some keys holds, per query, the softmax-weighted average o of
-    those keys' values and the log-sum-exp lse = log(sum_j exp(s_j)) of their scaled scores s_j; the leading
-    dimensions (heads, queries) are any, the same for both. Then lse = log(exp(lse1) + exp(lse2)) and o is
-    o1 and o2 weighted by exp(lse1 - lse) and exp(lse2 - lse). Must not overflow when lse is large (e.g. 1000).
-    A query that sees none of a partial's keys (a fully masked block) has lse = -inf and o = 0 there: merging
-    it changes nothing, and two such merge into lse = -inf, o = 0, never NaN.
+    ids `[tokens, top_k]` (int64) holds each token's chosen experts, numbers in 0 .. num_experts - 1. Number the
+    pairs row by row: pair p = t * top_k + j is token t's j-th choice (the order of ids.flatten()). Return
+      order   `[tokens * top_k]` int64, the pair numbers sorted by their expert, lowest expert first, and pairs
+              of the same expert kept in increasing pair number (a stable sort);
+      counts  `[num_experts]` int64, how many pairs each expert got (0 for an expert nobody chose).
+    The token of pair p is p // top_k, so x[order // top_k] are the tokens' rows grouped by expert. With the
+    experts spread over P ranks in contiguous blocks (rank r holds experts r E/P .. (r + 1) E/P - 1), those rows
+    are also grouped by rank, rank 0's first: counts.view(P, -1).sum(1) of them go to each rank, which is what
+    an all-to-all needs. tokens may be 0 (a rank with no tokens this step): then order is empty and counts zero.
     """
-    raise NotImplementedError("merge_partials: write this function")
+    raise NotImplementedError("sort_by_expert: write this function")
+
+
+def combine(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's routing-weighted sum of its experts' outputs: the last step, once the results are back.
+
+    rows `[tokens * top_k, hidden]` are the experts' outputs in the order of `order` (rows[i] is the output for
+    pair order[i], order as sort_by_expert returns it); weights `[tokens, top_k]` float32 are the routing weights,
+    weights[t, j] for pair t * top_k + j. Return out `[tokens, hidden]` of `dtype` with
+      out[t] = sum over j of weights[t, j] * (the row of pair t * top_k + j),
+    the products taken in float32 (rows may be bfloat16) and the sum cast to dtype at the end. tokens may be 0:
+    then out is `[0, hidden]`.
+    """
+    raise NotImplementedError("combine: write this function")

@@ -1,11 +1,10 @@
 """Grader for exercise 7: your weight shards against minillm's; your parallel MLP on 2 and 3 gloo ranks against the
-one-process MLP, with its all-reduces counted; your merge against attention over the union of the keys, and as the
-merge step of minillm's ring attention on 2 and 3 ranks against full causal attention.
+one-process MLP, with its all-reduces counted; your sort by expert and your combine against minillm's, and as the
+dispatch and combine steps of minillm's expert-parallel MoE layer on 2 and 3 ranks against the one-process layer.
 
 The ranks are separate processes (`run_group`); each loads your file anew from its path, and none outlives its
 test, even when your code raises or hangs (`TIMEOUT_S`)."""
 
-import importlib
 from pathlib import Path
 from unittest import mock
 
@@ -14,10 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+import minillm.moe
 from exercises.conftest import _load
-from minillm.kernels.online_softmax import partial_attention
+from minillm.config import ModelConfig
+from minillm.moe import SparseMoeBlock
 from minillm.parallel.comm import run_group
-from minillm.parallel.ring_attention import ring_attention, split_sequence
 
 TIMEOUT_S = 30  # per group of ranks: a few seconds to start, the rest for your code
 WORLD_SIZES = (2, 3)
@@ -150,110 +150,133 @@ def test_parallel_mlp_one_all_reduce(impl, mlp_runs):
                     f"{{'all_reduce': (1, {output_bytes})}}")
 
 
-# --- merging partials -----------------------------------------------------------------------------------------------
+# --- sorting by expert and combining -------------------------------------------------------------------------------
 
-def partials(q, k, v, mask=None):
-    """minillm's partial attention for each head: q [heads, n, d], k, v [heads, m, d] -> (o, lse)."""
-    scale = q.shape[-1] ** -0.5
-    per_head = [partial_attention(q[h], k[h], v[h], scale, mask) for h in range(q.shape[0])]
-    return torch.stack([o for o, _ in per_head]), torch.stack([lse for _, lse in per_head])
+def routing(tokens, num_experts, top_k, seed):
+    """Each token's top_k distinct experts, drawn at random, and float32 routing weights summing to 1 per token."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)]) if tokens else \
+        torch.empty(0, top_k, dtype=torch.long)
+    return ids, torch.rand(tokens, top_k, generator=g).softmax(dim=-1)
 
 
-def qkv(heads, n, m, d, seed, scale=1.0):
-    return randn(heads, n, d, seed=seed, scale=scale), randn(heads, m, d, seed=seed + 1, scale=scale), \
-        randn(heads, m, d, seed=seed + 2)
+def check_sorted(impl, ref, ids, num_experts, what):
+    order, counts = impl.sort_by_expert(ids, num_experts)
+    want_order, want_counts = ref.sort_by_expert(ids, num_experts)
+    for name, got, want in (("counts", counts, want_counts), ("order", order, want_order)):
+        assert isinstance(got, torch.Tensor) and got.dtype == torch.int64 and got.shape == want.shape, (
+            f"{what}: {name} is {getattr(got, 'dtype', type(got).__name__)} of shape "
+            f"{tuple(getattr(got, 'shape', ()))}, expected int64 of shape {tuple(want.shape)}")
+        assert torch.equal(got, want), f"{what}: {name} {got.tolist()}, expected {want.tolist()}"
 
 
 @pytest.mark.points(2)
-def test_merge_equals_attention_over_the_union(impl):
-    for seed, (heads, n, m, split) in enumerate([(3, 5, 9, 4), (1, 1, 2, 1), (4, 7, 33, 30)]):
-        q, k, v = qkv(heads, n, m, 16, seed=20 + 3 * seed)
-        a, b = partials(q, k[:, :split], v[:, :split]), partials(q, k[:, split:], v[:, split:])
-        want_o, want_lse = partials(q, k, v)
-        o, lse = impl.merge_partials(*a, *b)
-        assert_close(o, want_o, msg=lambda e: f"o [{heads}, {n}, 16], keys split {split}|{m - split}: {e}")
-        assert_close(lse, want_lse, msg=lambda e: f"lse [{heads}, {n}], keys split {split}|{m - split}: {e}")
-        o_swapped, lse_swapped = impl.merge_partials(*b, *a)
-        assert_close(o_swapped, o, msg=lambda e: f"merging is symmetric (o): {e}")
-        assert_close(lse_swapped, lse, msg=lambda e: f"merging is symmetric (lse): {e}")
-    q, k, v = qkv(1, 6, 10, 8, seed=30)
-    (o_a, lse_a), (o_b, lse_b) = partials(q, k[:, :3], v[:, :3]), partials(q, k[:, 3:], v[:, 3:])
-    o, lse = impl.merge_partials(o_a[0], lse_a[0], o_b[0], lse_b[0])  # no head dimension: o [n, d], lse [n]
-    want_o, want_lse = partials(q, k, v)
-    assert_close(o, want_o[0], msg=lambda e: f"o [6, 8] (no head dimension): {e}")
-    assert_close(lse, want_lse[0], msg=lambda e: f"lse [6] (no head dimension): {e}")
+def test_sort_by_expert(impl, ref):
+    for tokens, experts, k, seed in [(7, 6, 2, 70), (1, 4, 1, 71), (12, 8, 3, 72), (5, 3, 3, 73)]:
+        ids, _ = routing(tokens, experts, k, seed)
+        check_sorted(impl, ref, ids, experts, f"{tokens} tokens, top {k} of {experts} experts")
 
 
 @pytest.mark.points(1)
-def test_merge_large_scores_do_not_overflow(impl):
-    q, k, v = qkv(2, 5, 12, 16, seed=40, scale=40.0)  # scores in the thousands: exp() alone overflows
-    o, lse = impl.merge_partials(*partials(q, k[:, :5], v[:, :5]), *partials(q, k[:, 5:], v[:, 5:]))
-    assert torch.isfinite(o).all() and torch.isfinite(lse).all(), "subtract the larger lse before exp()"
-    want_o, want_lse = partials(q, k, v)
-    assert_close(o, want_o, msg=lambda e: f"o with huge scores: {e}")
-    assert_close(lse, want_lse, msg=lambda e: f"lse with huge scores: {e}")
+def test_sort_by_expert_unchosen_experts_and_no_tokens(impl, ref):
+    ids = torch.tensor([[5, 0], [0, 2], [2, 5], [0, 5]])  # experts 1, 3 and 4 get nothing; ties keep pair order
+    check_sorted(impl, ref, ids, 6, f"ids {ids.tolist()} of 6 experts")
+    check_sorted(impl, ref, torch.empty(0, 2, dtype=torch.long), 6, "no tokens (ids [0, 2])")
+
+
+def expected_combine(rows, order, weights):
+    """The weighted sum written out pair by pair, in float64."""
+    tokens, k = weights.shape
+    where = {int(p): i for i, p in enumerate(order)}  # pair number -> its row
+    out = torch.zeros(tokens, rows.shape[-1], dtype=torch.float64)
+    for t in range(tokens):
+        for j in range(k):
+            out[t] += float(weights[t, j]) * rows[where[t * k + j]].double()
+    return out
 
 
 @pytest.mark.points(2)
-def test_merge_with_a_fully_masked_block(impl):
-    q, k, v = qkv(2, 6, 10, 8, seed=50)
-    causal = torch.arange(10)[None, :] <= torch.arange(6)[:, None]  # query i sees keys 0..i
-    first, rest = partials(q, k[:, :4], v[:, :4], causal[:, :4]), partials(q, k[:, 4:], v[:, 4:], causal[:, 4:])
-    assert torch.isneginf(rest[1][:, :4]).all()  # queries 0..3 see none of keys 4..9
-    o, lse = impl.merge_partials(*first, *rest)
-    assert not torch.isnan(o).any() and not torch.isnan(lse).any(), "rows where one partial is empty gave NaN"
-    want_o, want_lse = partials(q, k, v, causal)
-    assert_close(o, want_o, msg=lambda e: f"o, where some rows see no key of one block: {e}")
-    assert_close(lse, want_lse, msg=lambda e: f"lse, where some rows see no key of one block: {e}")
-    masked = partials(q, k[:, 6:], v[:, 6:], causal[:, 6:])  # no query sees keys 6..9: a fully masked block
-    for what, args in [("block, then masked block", (*first, *masked)),
-                       ("masked block, then block", (*masked, *first))]:
-        o, lse = impl.merge_partials(*args)
-        assert_close(o, first[0], msg=lambda e: f"{what}: merging a fully masked block changes nothing (o): {e}")
-        assert_close(lse, first[1], msg=lambda e: f"{what}: merging a fully masked block changes nothing (lse): {e}")
-    o, lse = impl.merge_partials(*masked, *masked)
-    assert not torch.isnan(o).any() and (o == 0).all(), "two fully masked blocks merge into o = 0, not NaN"
-    assert torch.isneginf(lse).all(), "two fully masked blocks merge into lse = -inf"
+def test_combine(impl, ref):
+    for tokens, experts, k, seed in [(7, 6, 2, 80), (1, 4, 1, 81), (9, 8, 3, 82)]:
+        ids, weights = routing(tokens, experts, k, seed)
+        order, _ = ref.sort_by_expert(ids, experts)
+        rows = randn(tokens * k, 16, seed=seed + 10)
+        out = impl.combine(rows, order, weights, torch.float32)
+        what = f"{tokens} tokens, top {k}"
+        assert isinstance(out, torch.Tensor) and out.shape == (tokens, 16) and out.dtype == torch.float32, (
+            f"{what}: returned {getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}, "
+            f"expected float32 {(tokens, 16)}")
+        assert_close(out.double(), expected_combine(rows, order, weights), atol=1e-5, rtol=1e-5,
+                     msg=lambda e: f"{what}, against each token's weighted sum of its pairs' rows: {e}")
+        assert_close(out, ref.combine(rows, order, weights, torch.float32), msg=lambda e: f"{what}: {e}")
 
 
-# --- the merge in a ring of 2 and 3 ranks ---------------------------------------------------------------------------
+@pytest.mark.points(1)
+def test_combine_bfloat16_and_no_tokens(impl, ref):
+    ids, weights = routing(6, 5, 2, seed=90)
+    order, _ = ref.sort_by_expert(ids, 5)
+    rows = randn(12, 16, seed=91).bfloat16()
+    out = impl.combine(rows, order, weights, torch.bfloat16)
+    assert out.dtype == torch.bfloat16, f"rows of bfloat16 with dtype bfloat16: returned {out.dtype}"
+    assert_close(out, ref.combine(rows, order, weights, torch.bfloat16),
+                 msg=lambda e: f"bfloat16 rows, weighted in float32, then cast: {e}")
+    empty = impl.combine(torch.empty(0, 16), torch.empty(0, dtype=torch.long), torch.empty(0, 2), torch.float32)
+    assert isinstance(empty, torch.Tensor) and empty.shape == (0, 16), (
+        f"no tokens: returned {tuple(getattr(empty, 'shape', ()))}, expected (0, 16)")
 
-RING_TOTAL, RING_HEADS, RING_KV_HEADS, RING_D = 11, 4, 2, 16
+
+# --- dispatch and combine in minillm's expert-parallel layer on 2 and 3 ranks ---------------------------------------
+
+EXPERTS, TOP_K, EXPERT_INTER = 6, 2, 24  # 6 experts: 3 per rank on 2 ranks, 2 per rank on 3
+MOE_TOKENS = (1, 2, 7, 12)  # fewer tokens than ranks (a rank with none), and counts the ranks do not divide
 
 
-def ring_inputs():
-    return (randn(RING_TOTAL, RING_HEADS, RING_D, seed=60), randn(RING_TOTAL, RING_KV_HEADS, RING_D, seed=61),
-            randn(RING_TOTAL, RING_KV_HEADS, RING_D, seed=62))
+def moe_block(comm=None):
+    """A Mixtral-style MoE layer with fixed random weights: expert-parallel over comm's ranks, or on one process."""
+    config = ModelConfig(vocab_size=16, hidden_size=HIDDEN, intermediate_size=INTER, num_layers=1, num_heads=4,
+                         num_kv_heads=2, head_dim=10, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=64,
+                         tie_word_embeddings=False, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                         moe_intermediate_size=EXPERT_INTER)
+    block = SparseMoeBlock(config, comm, expert_parallel=comm is not None)
+    with torch.no_grad():
+        block.gate.weight.copy_(randn(EXPERTS, HIDDEN, seed=100))
+        for weight, full in ((block.experts.gate_up_proj, randn(EXPERTS, 2 * EXPERT_INTER, HIDDEN, seed=101, scale=0.2)),
+                             (block.experts.down_proj, randn(EXPERTS, HIDDEN, EXPERT_INTER, seed=102, scale=0.2))):
+            weight.weight_loader(weight.weight, full)  # each rank keeps the experts it holds
+    return block
 
 
-def _ring_rank(comm, impl_path):
-    """Runs on each rank: minillm's ring attention over this rank's slice, merging with your merge_partials;
-    its outputs (causal, then not) and how often your merge ran."""
+def moe_input(tokens):
+    return randn(tokens, HIDDEN, seed=110 + tokens)
+
+
+def _moe_rank(comm, impl_path):
+    """Runs on each rank: minillm's expert-parallel MoE layer with your sort_by_expert and combine as its dispatch
+    and combine steps, on each number of tokens; its outputs and how often your functions ran."""
     impl = _load(Path(impl_path), "_exercise_impl")
-    calls = []
+    block, calls = moe_block(comm), {"sort_by_expert": 0, "combine": 0}
 
-    def merge(*args):
-        calls.append(1)
-        return impl.merge_partials(*args)
+    def counted(name):
+        def run(*args):
+            calls[name] += 1
+            return getattr(impl, name)(*args)
+        return run
 
-    q, k, v = ring_inputs()
-    start, end = split_sequence(RING_TOTAL, comm.world_size)[comm.rank]
-    with mock.patch.object(importlib.import_module("minillm.parallel.ring_attention"), "merge_partials", merge):
-        outs = [ring_attention(comm, q[start:end], k[start:end], v[start:end], start, RING_TOTAL, causal)
-                for causal in (True, False)]
-    return outs, len(calls)
+    with mock.patch.multiple(minillm.moe, sort_by_expert=counted("sort_by_expert"), combine=counted("combine")), \
+            torch.no_grad():
+        outs = [block(moe_input(n)) for n in MOE_TOKENS]
+    return outs, calls
 
 
 @pytest.mark.points(3)
-def test_ring_attention_with_your_merge(impl):
-    q, k, v = (t.transpose(0, 1) for t in ring_inputs())
+def test_expert_parallel_with_your_dispatch_and_combine(impl):
+    with torch.no_grad():
+        one_process = moe_block()
+        want = [one_process(moe_input(n)) for n in MOE_TOKENS]
     for p in WORLD_SIZES:
-        ranks = run_group(_ring_rank, p, impl.__file__, timeout=TIMEOUT_S)
-        assert all(calls for _, calls in ranks), "minillm's ring attention did not run your merge_partials"
-        for i, causal in enumerate((True, False)):
-            out = torch.cat([outs[i] for outs, _ in ranks])
-            assert not torch.isnan(out).any(), (f"{p} ranks, causal={causal}: NaN in the output (a block that a "
-                                                f"rank's queries cannot see at all has lse = -inf)")
-            want = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True).transpose(0, 1)
-            assert_close(out, want, atol=1e-5, rtol=1e-5,
-                         msg=lambda e: f"{p} ranks, causal={causal}, against attention on one process: {e}")
+        ranks = run_group(_moe_rank, p, impl.__file__, timeout=TIMEOUT_S)
+        for r, (outs, calls) in enumerate(ranks):
+            assert all(calls.values()), f"rank {r} of {p}: minillm's layer did not run your {calls} (calls)"
+            for n, out, expected in zip(MOE_TOKENS, outs, want):
+                assert_close(out, expected, atol=1e-5, rtol=1e-5,
+                             msg=lambda e: f"{p} ranks, rank {r}, {n} tokens, against the one-process layer: {e}")

@@ -37,12 +37,18 @@ def parallel_mlp(comm: Comm, x: torch.Tensor, gate_up_shard: torch.Tensor, down_
     return comm.all_reduce(F.linear(F.silu(gate) * up, down_shard))
 
 
-def merge_partials(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
-                   lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The partial over the union of two disjoint key sets: (o `[..., d]`, lse `[...]`)."""
-    top = torch.maximum(lse1, lse2)
-    top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)  # both empty: shift by 0, not -inf
-    w1, w2 = torch.exp(lse1 - top), torch.exp(lse2 - top)
-    total = w1 + w2
-    o = (w1[..., None] * o1 + w2[..., None] * o2) / total.clamp_min(torch.finfo(total.dtype).tiny)[..., None]
-    return o, top + torch.log(total)
+def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pair numbers sorted (stably) by expert, and the number of pairs per expert."""
+    experts = ids.reshape(-1)
+    order = torch.sort(experts, stable=True).indices
+    counts = torch.zeros(num_experts, dtype=torch.int64)
+    counts.index_add_(0, experts, torch.ones_like(experts))
+    return order, counts
+
+
+def combine(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Put the rows back in pair order, weight each by its pair's routing weight and sum each token's pairs."""
+    tokens, top_k = weights.shape
+    by_pair = torch.zeros(tokens * top_k, rows.shape[-1], dtype=torch.float32)
+    by_pair[order] = rows.float()
+    return (by_pair.view(tokens, top_k, rows.shape[-1]) * weights[..., None]).sum(dim=1).to(dtype)

@@ -2,10 +2,11 @@
 does with the activations is its own choice: see `QuantLinear.forward`).
 
 Each format stores a weight `[out, in]` as small numbers plus a few float scales per row (or per group of
-`group_size` inputs in a row), so a decode step, which reads every weight once, reads fewer bytes:
+`group_size` inputs in a row; the kernels keep int4's scale and zero in 16 bits), so a decode step, which reads
+every weight once, reads fewer bytes:
 
     int8   symmetric per output channel     w ~ q * scale,          q in [-127, 127]          8 bits + 32/in
-    int4   asymmetric per group (GGUF Q4_1) w ~ q * scale + zero,   q in [0, 15], 2 per byte  4 bits + 64/G
+    int4   asymmetric per group (GGUF Q4_1) w ~ q * scale + zero,   q in [0, 15], 2 per byte  4 bits + 32/G
     fp8    e4m3 per output channel          w ~ float(q) * scale,   |q| <= 448                8 bits + 32/in
 
 On a CPU the products run through minillm's C kernel (`kernels/int4_matmul.c`), or else PyTorch's packed kernels

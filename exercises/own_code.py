@@ -32,6 +32,7 @@ from types import FunctionType, MethodType, ModuleType
 MARK = "not your own code"  # every refusal starts with it; selfcheck looks for it
 MINILLM_DIR = Path(importlib.util.find_spec("minillm").origin).parent
 EXERCISES_DIR = Path(__file__).resolve().parent
+EXERCISE = r"ch\d\d_\w+"  # an exercise's directory (and package) name
 METHODS = (FunctionType, MethodType, staticmethod, classmethod, property, functools.partial)  # class-body methods
 Source = tuple[str, str]  # (module off limits, qualified name in it; "" for the module itself)
 
@@ -44,7 +45,7 @@ def is_minillm(name: object) -> bool:
 def is_shipped(name: object) -> bool:
     """Whether `name` is the dotted name of an answer shipped with the exercises (a reference.py or a solution),
     or of something inside one."""
-    return isinstance(name, str) and re.fullmatch(r"exercises\.ch\d\d_\w+\.(solution|reference)(\..+)?", name) is not None
+    return isinstance(name, str) and re.fullmatch(rf"exercises\.{EXERCISE}\.(solution|reference)(\..+)?", name) is not None
 
 
 def within(name: object, prefixes: tuple[str, ...]) -> bool:
@@ -62,7 +63,7 @@ def _leads_off_limits(name: object, forbidden: tuple[str, ...]) -> bool:
     """Whether `name` is off limits or a package above such code (`gguf` above `gguf.quants`, `exercises` above
     every shipped answer), so that the names a submission reads through it must be checked."""
     return off_limits(name, forbidden) or isinstance(name, str) and (
-        re.fullmatch(r"exercises(\.ch\d\d_\w+)?", name) is not None or any(p.startswith(name + ".") for p in forbidden))
+        re.fullmatch(rf"exercises(\.{EXERCISE})?", name) is not None or any(p.startswith(name + ".") for p in forbidden))
 
 
 def graded_names(ref: ModuleType) -> list[str]:
@@ -91,7 +92,7 @@ def _code_source(code) -> Source | None:
     if path.is_relative_to(MINILLM_DIR):
         parts = ("minillm", *path.relative_to(MINILLM_DIR).with_suffix("").parts)
         return ".".join(p for p in parts if p != "__init__"), code.co_qualname
-    if path.name == "reference.py" and path.parent.parent == EXERCISES_DIR and re.fullmatch(r"ch\d\d_\w+", path.parent.name):
+    if path.name == "reference.py" and path.parent.parent == EXERCISES_DIR and re.fullmatch(EXERCISE, path.parent.name):
         return f"exercises.{path.parent.name}.reference", code.co_qualname
     return None
 

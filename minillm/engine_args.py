@@ -50,8 +50,8 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(1, "processes each layer is split over (chapter 7)")
     pipeline_parallel_size: int = _arg(1, "pipeline stages the layers are split into (chapter 7)")
     enable_expert_parallel: bool = _arg(False, "spread whole experts of an MoE model over the tensor-parallel ranks")
-    num_threads: int | None = _arg(None, "PyTorch CPU threads (default: $MINILLM_NUM_THREADS, else all cores "
-                                         "but one)", flag="--threads")
+    num_threads: int | None = _arg(None, "PyTorch CPU threads (default: $MINILLM_NUM_THREADS, else a count the "
+                                         "program already set, else all cores but one)", flag="--threads")
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "quantization_group_size",

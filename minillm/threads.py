@@ -1,5 +1,5 @@
 """Chapter 4 — how many threads PyTorch's CPU operations get: all cores but one by default,
-`MINILLM_NUM_THREADS` to choose.
+`MINILLM_NUM_THREADS` to choose, and a count the program already chose is kept.
 
 A decode step on a CPU is a chain of a few hundred operations, and every one of them waits for the slowest
 of its threads. When another process (the server's HTTP front end, a notebook, the operating system) takes
@@ -15,6 +15,7 @@ import os
 import torch
 
 ENV = "MINILLM_NUM_THREADS"
+_expected = torch.get_num_threads()  # the count minillm last saw or set; anything else was the program's choice
 
 
 def available_cores() -> int:
@@ -37,9 +38,27 @@ def num_threads() -> int:
     return int(value)
 
 
+def chosen_by_program() -> bool:
+    """Whether the program already picked PyTorch's thread count: `torch.set_num_threads` since minillm was
+    imported, or `$OMP_NUM_THREADS`. The engine keeps such a choice rather than quietly replacing it."""
+    return "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() != _expected
+
+
+def engine_threads(n: int | None = None) -> int:
+    """The count an engine gets: `n` if given, else `$MINILLM_NUM_THREADS`, else the program's own choice if it
+    made one, else `default_num_threads()`."""
+    if n is not None:
+        return n
+    if ENV not in os.environ and chosen_by_program():
+        return torch.get_num_threads()
+    return num_threads()
+
+
 def configure_threads(n: int | None = None) -> int:
-    """Give PyTorch's CPU operations `n` threads, by default `num_threads()` (the engine does this when built)."""
-    n = num_threads() if n is None else n
+    """Give PyTorch's CPU operations `engine_threads(n)` threads (the engine does this when built)."""
+    global _expected
+    n = engine_threads(n)
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
+    _expected = n
     return n

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from minillm import LLM, SamplingParams
+from minillm import LLM, SamplingParams, threads
 from minillm.weights import resolve_model
 
 
@@ -113,6 +113,32 @@ def test_chat_template_and_errors(llm):
     assert len(out) == 1
     with pytest.raises(ValueError, match="messages"):
         llm.chat([{"content": "no role"}])
+
+
+def test_a_thread_count_the_program_chose_stays_chosen(tiny_llama, monkeypatch):
+    if DEVICE != "cpu":
+        pytest.skip("threads are set for CPU engines")
+    before = torch.get_num_threads()
+    monkeypatch.delenv("MINILLM_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        def build(**kw):
+            return LLM(tiny_llama, device=DEVICE, dtype=torch.float32, num_kv_blocks=32, block_size=4, **kw)
+
+        chosen = 3 if threads.default_num_threads() != 3 else 2
+        build(num_threads=1)
+        assert torch.get_num_threads() == 1  # an engine's own argument wins...
+        build()
+        assert torch.get_num_threads() == threads.default_num_threads()  # ...for that engine only
+        torch.set_num_threads(chosen)
+        build()
+        assert torch.get_num_threads() == chosen  # the program's torch.set_num_threads is kept
+        monkeypatch.setenv("OMP_NUM_THREADS", str(chosen))  # OpenMP's variable is a choice too
+        torch.set_num_threads(chosen)
+        build()
+        assert torch.get_num_threads() == chosen
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_threads_from_the_environment_and_a_clean_warm_up(tiny_llama, monkeypatch):

@@ -28,7 +28,7 @@ from ..parallel.comm import free_port
 from ..parallel.executor import stop_processes
 from ..sampling import RequestOutputKind, SamplingParams
 from ..sequence import claim_request_id
-from ..threads import num_threads
+from ..threads import engine_threads
 from ..weights import resolve_model
 from .instance import ABORT, ADD, DECODE, PREFILL, RESET_PREFIX_CACHE, STATS, STOP, instance_main
 
@@ -63,7 +63,7 @@ class PDPair:
         if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
             raise ValueError("each instance of a prefill/decode pair runs in one process here (no tensor or pipeline "
                              "parallelism)")
-        half = max(1, (args.num_threads or num_threads()) // 2)
+        half = max(1, engine_threads(args.num_threads) // 2)
         threads = {PREFILL: prefill_threads or half, DECODE: decode_threads or half}
         path = resolve_model(args.model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))

@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ..config import ModelConfig
-from ..threads import num_threads
+from ..threads import engine_threads
 from .comm import free_port
 from .config import ParallelConfig
 from .pipeline import StepPlan, TraceEvent, execute_plan
@@ -35,7 +35,7 @@ class MultiprocExecutor:
         self.num_micro_batches = parallel.pipeline_parallel_size  # one per stage keeps every stage busy
         spawn = mp.get_context("spawn")
         self._errors, port = spawn.SimpleQueue(), free_port()
-        threads = max(1, (total_threads or num_threads()) // parallel.world_size)  # the ranks share the cores
+        threads = max(1, engine_threads(total_threads) // parallel.world_size)  # the ranks share the cores
         self._procs = [spawn.Process(target=worker_main, daemon=True,
                                      args=(rank, os.getpid(), path, config, parallel, dtype, device.type, load_format,
                                            port, threads, self._errors))

@@ -6,7 +6,8 @@ from conftest import requires_default_model
 from hf_reference import hf_greedy, load_hf
 from minillm import SamplingParams
 
-pytestmark = [pytest.mark.slow, requires_default_model]
+pytestmark = [pytest.mark.slow, requires_default_model,
+              pytest.mark.xdist_group("parity")]  # one worker computes the transformers reference once
 
 LONG = " ".join(f"Step {i}: the scheduler admits a request, the model prefills its prompt, and decode "
                 "appends one token per step while the KV cache grows." for i in range(20))

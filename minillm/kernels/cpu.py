@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from ..cache_dir import cache_dir
+
 SOURCE = Path(__file__).with_name("paged_decode.c")
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 # Linked without -ffast-math: a shared library linked with it sets flush-to-zero for the whole process.
@@ -48,8 +50,6 @@ def _build(source: Path, directory: Path) -> Path:
 @functools.cache
 def _kernel():
     """The compiled function, or None when it cannot be built here (no compiler, not Linux/glibc)."""
-    from ..weights import cache_dir
-
     try:
         lib = ctypes.CDLL(str(_build(SOURCE, cache_dir() / "kernels")))
     except (OSError, subprocess.CalledProcessError):

@@ -4,8 +4,8 @@ per block of 32: integer dot products at memory speed.
 PyTorch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` take bfloat16 activations and, at batch 1, read
 their weights far below the memory's speed. llama.cpp's way is faster: quantize each row of x to int8 per block
 of 32 and multiply the weight's codes with it in integers (AVX512-VNNI's `vpdpbusd`, AVX2's `vpmaddubsw`),
-scaling once per block. This module lays weights of `minillm.quant.quantize_int4` and `quantize_int8` out for
-that kernel, built like `minillm.kernels.cpu`'s.
+scaling once per block. This module lays weights of `minillm.quant_formats.quantize_int4` and `quantize_int8`
+out for that kernel, built like `minillm.kernels.cpu`'s.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache_dir import cache_dir
 from .cpu import _build
 
 SOURCE = Path(__file__).with_name("int4_matmul.c")
@@ -74,8 +75,6 @@ def _load(path: Path) -> ctypes.CDLL:
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The library built for this machine, or None when it cannot be built here (no compiler, not Linux/glibc)."""
-    from ..weights import cache_dir
-
     try:
         return _load(_build(SOURCE, cache_dir() / "kernels"))
     except (OSError, subprocess.CalledProcessError):

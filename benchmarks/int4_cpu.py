@@ -33,7 +33,8 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 from minillm.kernels.int4_cpu import (int4_cpu_isa, int4_matmul_cpu, int8_matmul_cpu, matmul_unchecked,
                                       pack_int4_cpu, pack_int8_cpu)
 from minillm.layers import pack_weight, packed_linear
-from minillm.quant import int4_linear, int8_linear, quantize_int4, quantize_int8, to_int4pack
+from minillm.quant import int4_linear, int8_linear, to_int4pack
+from minillm.quant_formats import quantize_int4, quantize_int8
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [out, in] of qkv, o, gate_up, down
 HEAD = (49152, 576)  # the tied embedding as output layer

@@ -30,7 +30,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import llamacpp
-from minillm import LLM, SamplingParams, quant, threads
+from minillm import LLM, SamplingParams, quant, quant_formats, threads
 from minillm.bench import corpus_ids, make_workload, run_minillm
 from minillm.metrics import tpot
 from minillm.perplexity import greedy_agreement, perplexity
@@ -52,8 +52,8 @@ def step_products(model, batch: int, group_size: int) -> dict[str, object]:
     linears = decode_linears(model)
     weights = [lin.weight.detach() for lin in linears] + [model.embed_tokens.weight.detach()]
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
-    int8 = [quant.quantize_int8(w) for w in weights]
-    int4 = [(quant.to_int4pack(*quant.quantize_int4(w, group_size))) for w in weights]
+    int8 = [quant_formats.quantize_int8(w) for w in weights]
+    int4 = [(quant.to_int4pack(*quant_formats.quantize_int4(w, group_size))) for w in weights]
 
     def fp32():
         for lin in linears:

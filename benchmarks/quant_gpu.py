@@ -25,7 +25,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minillm.quant import pack_int4, quantize_int4, quantize_int8  # noqa: E402
+from minillm.quant_formats import pack_int4, quantize_int4, quantize_int8  # noqa: E402
 
 GROUP = 64
 SMOLLM2_LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down

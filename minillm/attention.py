@@ -14,6 +14,8 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from .quant_formats import quantize_fp8, quantize_int8
+
 
 @dataclass
 class AttentionMetadata:
@@ -92,8 +94,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys or values `[tokens, kv_heads, head_dim]` as `dtype` (int8 or fp8) with one float32 scale per vector
     `[tokens, kv_heads]`: symmetric, the vector's largest magnitude on the format's largest value."""
-    from .quant import quantize_fp8, quantize_int8
-
     q, scale = (quantize_int8 if dtype == torch.int8 else quantize_fp8)(x.reshape(-1, x.shape[-1]))
     return q.view(x.shape), scale.view(x.shape[:-1])
 

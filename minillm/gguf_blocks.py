@@ -7,7 +7,7 @@ numbers and 32 small integers:
     Q8_0  34 bytes: fp16 d, 32 int8                       w = d * q,      q in -128..127  (8.5 bits)
 
 In a Q4_1 block, byte j holds weight j in its low nibble and weight j + 16 in its high nibble. Q4_1 is
-`minillm.quant`'s int4 format with group 32 (scale = d, zero = m): `q4_1_to_int4` maps one onto the other.
+`minillm.quant_formats`'s int4 format with group 32 (scale = d, zero = m): `q4_1_to_int4` maps one onto the other.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def read_tensor(name: str, path: str | os.PathLike | None = None) -> tuple[np.nd
 
 
 def q4_1_to_int4(raw: Raw, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_1 matrix `[out, in]` as `minillm.quant`'s int4 with group 32: (q uint8 `[out, in]` in 0..15,
+    """A Q4_1 matrix `[out, in]` as `minillm.quant_formats`'s int4 with group 32: (q uint8 `[out, in]` in 0..15,
     scale `[out, in / 32]`, zero `[out, in / 32]`), so that `dequantize_int4(q, scale, zero)` is exactly
     `decode_q4_1(raw)` reshaped to `shape`."""
     out_features, in_features = shape

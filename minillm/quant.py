@@ -1,22 +1,17 @@
-"""Chapter 6 — quantized weights: int8 per output channel, int4 in groups with zero points, fp8 e4m3 (what a kernel
-does with the activations is its own choice: see `QuantLinear.forward`).
+"""Chapter 6 — quantized layers: one class per weight format (int8 per output channel, int4 in groups with zero
+points, fp8 e4m3) that stores a weight for its device's product kernel, runs the product and reads the weight
+back, and the layers and `quantize_model` built on them (the formats' arithmetic is `minillm.quant_formats`).
 
-Each format stores a weight `[out, in]` as small numbers plus a few float scales per row (or per group of
-`group_size` inputs in a row; the kernels keep int4's scale and zero in 16 bits), so a decode step, which reads
-every weight once, reads fewer bytes:
-
-    int8   symmetric per output channel     w ~ q * scale,          q in [-127, 127]          8 bits + 32/in
-    int4   asymmetric per group (GGUF Q4_1) w ~ q * scale + zero,   q in [0, 15], 2 per byte  4 bits + 32/G
-    fp8    e4m3 per output channel          w ~ float(q) * scale,   |q| <= 448                8 bits + 32/in
-
-On a CPU the products run through minillm's C kernel (`kernels/int4_matmul.c`), or else PyTorch's packed kernels
-(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, whose int4 layout stores `(q - 8) * scale + zero'`, i.e.
-zero' = zero + 8 * scale); on a GPU through minillm's Triton kernels (`kernels/quant_matmul.py`).
+What a kernel does with the activations is its own choice: see each format's `matmul`. On a CPU the products run
+through minillm's C kernel (`kernels/int4_matmul.c`), or else PyTorch's packed kernels (`_weight_int8pack_mm`,
+`_weight_int4pack_mm_for_cpu`, whose int4 layout stores `(q - 8) * scale + zero'`, i.e. zero' = zero + 8 * scale);
+on a GPU through minillm's Triton kernels (`kernels/quant_matmul.py`).
 """
 
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
@@ -24,91 +19,11 @@ from torch import nn
 
 from .kernels.int4_cpu import (Int4Weight, Int8Weight, bind, int4_cpu_available, int4_cpu_isa, matmul_unchecked,
                                pack_int4_cpu, pack_int8_cpu)
+from .quant_formats import (check_weight, dequantize_fp8, dequantize_int4, dequantize_int8, pack_int4, quantize_fp8,
+                            quantize_int4, quantize_int8, unpack_int4)
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's packed int4 CPU kernel accepts
-FP8_MAX = 448.0  # largest finite float8_e4m3fn value
-
-
-def _check_weight(w: torch.Tensor) -> None:
-    if w.dim() != 2 or not w.is_floating_point():
-        raise ValueError(f"expected a 2-D floating-point weight [out, in], got {tuple(w.shape)} {w.dtype}")
-
-
-def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: (q int8 `[out, in]`, scale float32 `[out]`), w ~ q * scale. The scales
-    are rounded to `scale_dtype` first (a kernel that takes bfloat16 scales then computes with exactly these)."""
-    _check_weight(w)
-    w = w.float()
-    tiny = torch.finfo(scale_dtype).tiny
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=tiny).to(scale_dtype).float().clamp(min=tiny)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() * scale[:, None]
-
-
-def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric int4 in groups of `group_size` inputs (GGUF's Q4_1): (q uint8 `[out, in]` in 0..15,
-    scale `[out, in / G]`, zero `[out, in / G]`), w ~ q * scale + zero with zero the group's minimum."""
-    _check_weight(w)
-    out_features, in_features = w.shape
-    if group_size < 2 or in_features % group_size:
-        raise ValueError(f"group size {group_size} must divide the {in_features} inputs of the weight")
-    groups = w.float().view(out_features, in_features // group_size, group_size)
-    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
-    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
-    return q.view(out_features, in_features), scale, low
-
-
-def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    out_features, in_features = q.shape
-    groups = q.float().view(out_features, scale.shape[1], -1)
-    return (groups * scale[..., None] + zero[..., None]).view(out_features, in_features)
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """Two 4-bit values per byte along the last dimension: element 2i in the low nibble, 2i + 1 in the high."""
-    if q.shape[-1] % 2:
-        raise ValueError(f"int4 packing needs an even last dimension, got {q.shape[-1]}")
-    q = q.to(torch.uint8)
-    return q[..., 0::2] | (q[..., 1::2] << 4)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of `pack_int4`."""
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
-
-
-def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8 e4m3 per output channel: (q float8_e4m3fn `[out, in]`, scale float32 `[out]`), each row scaled
-    so its largest magnitude lands on the format's largest value."""
-    _check_weight(w)
-    w = w.float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-
-
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() * scale[:, None]
-
-
-def fake_quantize(w: torch.Tensor, method: str, group_size: int = 64) -> torch.Tensor:
-    """w rounded to `method`'s grid and back (float32): what a quantized layer computes with, for measuring a
-    format's error without its kernel. int4 takes any group size; a last group shorter than the others (128 does
-    not divide 576) is filled out with copies of its last column, which leave its minimum and maximum alone."""
-    if method == "int8":
-        return dequantize_int8(*quantize_int8(w))
-    if method == "fp8":
-        return dequantize_fp8(*quantize_fp8(w))
-    if method != "int4":
-        raise ValueError(f"quantization {method!r} is not supported; use one of {QUANTIZATIONS}")
-    _check_weight(w)
-    pad = -w.shape[1] % group_size
-    padded = F.pad(w.float()[None], (0, pad), mode="replicate")[0] if pad else w
-    return dequantize_int4(*quantize_int4(padded, group_size))[:, :w.shape[1]]
+Stored = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Int4Weight | Int8Weight | None]
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -132,9 +47,6 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros.to(x.dtype))
 
 
-QUANTIZATIONS = ("int8", "int4", "fp8")
-
-
 def use_c_kernel() -> bool:
     """Whether int8 and int4 products on a CPU go through minillm's C kernel (`kernels/int4_matmul.c`: integer dot
     products of the weight codes with int8-rounded activations, as llama.cpp computes): when it builds with a vector
@@ -144,36 +56,185 @@ def use_c_kernel() -> bool:
     return int4_cpu_available() and int4_cpu_isa() != "scalar"
 
 
-def _weight_storage(w: torch.Tensor, method: str, group_size: int) -> dict[str, object]:
-    """The tensors a quantized `[out, in]` weight keeps, laid out for the product kernels of w's device.
+def _fits_c_kernel(w: torch.Tensor) -> bool:
+    """Whether an int8 or int4 weight is stored for the C kernel: on a CPU that runs it, with inputs in blocks of 32."""
+    return w.is_cpu and use_c_kernel() and w.shape[1] % 32 == 0
 
-    On a CPU with the C kernel: its tiles (`q`, `scale`, and `zero` for int4) under "kernel", the weight object the
-    kernel takes. Otherwise on a CPU: int8 `q` + bfloat16 `scale` for `_weight_int8pack_mm`, int4 in PyTorch's packed
-    layout with its `scales_and_zeros`. On a GPU: int8 `q` + `scale`, int4 as `pack_int4` bytes + `scale` + `zero`
-    (group-wise), the layouts of minillm's Triton kernels. fp8: `q` (float8_e4m3fn) + float32 `scale` everywhere.
-    """
-    c_kernel = w.is_cpu and method in ("int8", "int4") and use_c_kernel() and w.shape[1] % 32 == 0
-    if method == "int8":
+
+def _c_matmul(kernel: Int4Weight | Int8Weight, x: torch.Tensor) -> torch.Tensor:
+    """x `[M, in]` @ the C kernel's weight transposed, in x's dtype (the kernel computes in float32)."""
+    out = torch.empty(x.shape[0], kernel.out_features)
+    return matmul_unchecked(x.float().contiguous(), kernel, None, out).to(x.dtype)
+
+
+def _c_weight(kernel: Int4Weight | Int8Weight) -> torch.Tensor:
+    """The float32 weight in the C kernel's layout: an identity's rows are exact in int8, so this reads it back."""
+    eye, out = torch.eye(kernel.in_features), torch.empty(kernel.in_features, kernel.out_features)
+    return matmul_unchecked(eye, kernel, None, out).T.contiguous()
+
+
+class WeightFormat(ABC):
+    """One quantized weight format (vLLM's quantization method, gpt-fast's `WeightOnlyInt8Linear`): how a weight
+    `[out, in]` is rounded, stored for the product kernel of its device, multiplied and read back. The layer holds
+    the stored tensors (`q`, `scale`, `zero`, and the C kernel's weight object as `kernel`); the format, what to
+    do with them."""
+
+    name: str
+
+    def __init__(self, group_size: int = 64):
+        self.group_size = group_size  # inputs sharing one scale (int4 only)
+
+    @abstractmethod
+    def fake_quantize(self, w: torch.Tensor) -> torch.Tensor:
+        """w rounded to the format's grid and back (float32)."""
+
+    @abstractmethod
+    def rows(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q, scale, zero or None) in the plain layout, from which any subset of rows dequantizes (an embedding's)."""
+
+    @abstractmethod
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+        """The float32 rows that `q`, `scale` and `zero` in the plain layout stand for."""
+
+    @abstractmethod
+    def store(self, w: torch.Tensor) -> Stored:
+        """(q, scale, zero or None, the C kernel's weight or None): w laid out for the product kernel of w's device."""
+
+    @abstractmethod
+    def matmul(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        """x `[M, in]` @ the layer's weight transposed, `[M, out]` in x's dtype."""
+
+    @abstractmethod
+    def weight(self, layer: QuantLinear) -> torch.Tensor:
+        """The float32 weight `[out, in]` the layer computes with (for references and tests)."""
+
+
+class Int8(WeightFormat):
+    """int8 per output channel, the scales rounded to bfloat16. On a CPU: the C kernel (activations rounded to int8
+    per block of 32), else PyTorch's `_weight_int8pack_mm` with bfloat16 activations; on a GPU: Triton."""
+
+    name = "int8"
+
+    def fake_quantize(self, w: torch.Tensor) -> torch.Tensor:
+        return dequantize_int8(*quantize_int8(w))
+
+    def rows(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return (*quantize_int8(w, torch.bfloat16), None)
+
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, zero: None) -> torch.Tensor:
+        return dequantize_int8(q, scale.float())
+
+    def store(self, w: torch.Tensor) -> Stored:
         q, scale = quantize_int8(w, torch.bfloat16)
-        if c_kernel:
+        if _fits_c_kernel(w):
             packed = pack_int8_cpu(q, scale)
-            return {"q": packed.q, "scale": packed.scale, "kernel": packed}
-        return {"q": q, "scale": scale.to(torch.bfloat16 if w.is_cpu else w.dtype)}
-    if method == "int4":
-        if group_size not in INT4_GROUP_SIZES:
-            raise ValueError(f"int4 group size {group_size} is not one of {INT4_GROUP_SIZES}")
-        q, scale, zero = quantize_int4(w, group_size)
-        if c_kernel:
-            packed = pack_int4_cpu(q, scale, zero, group_size)
-            return {"q": packed.q, "scale": packed.scale, "zero": packed.zero, "kernel": packed}
-        if w.is_cpu:
+            return packed.q, packed.scale, None, packed
+        return q, scale.to(torch.bfloat16 if w.is_cpu else w.dtype), None, None
+
+    def matmul(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        if layer.kernel is not None:
+            return _c_matmul(layer.kernel, x)
+        if not x.is_cpu:
+            from .kernels.quant_matmul import int8_matmul
+
+            return int8_matmul(x, layer.q, layer.scale)
+        return int8_linear(x.to(torch.bfloat16), layer.q, layer.scale).to(x.dtype)
+
+    def weight(self, layer: QuantLinear) -> torch.Tensor:
+        return self.dequantize(layer.q, layer.scale, None) if layer.kernel is None else _c_weight(layer.kernel)
+
+
+class Int4(WeightFormat):
+    """int4 in groups of `group_size` inputs with a zero point (GGUF's Q4_1). On a CPU: the C kernel (activations
+    rounded to int8 per block of 32), else PyTorch's `_weight_int4pack_mm_for_cpu` with bfloat16 activations; on a
+    GPU: Triton, on `pack_int4` bytes."""
+
+    name = "int4"
+
+    def fake_quantize(self, w: torch.Tensor) -> torch.Tensor:
+        """Any group size: a last group shorter than the others (128 does not divide 576) is filled out with copies
+        of its last column, which leave its minimum and maximum alone."""
+        check_weight(w)
+        pad = -w.shape[1] % self.group_size
+        padded = F.pad(w.float()[None], (0, pad), mode="replicate")[0] if pad else w
+        return dequantize_int4(*quantize_int4(padded, self.group_size))[:, :w.shape[1]]
+
+    def rows(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, scale, zero = quantize_int4(w, self.group_size)
+        return pack_int4(q), scale, zero
+
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        return dequantize_int4(unpack_int4(q), scale.float(), zero.float())
+
+    def store(self, w: torch.Tensor) -> Stored:
+        if self.group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group size {self.group_size} is not one of {INT4_GROUP_SIZES}")
+        q, scale, zero = quantize_int4(w, self.group_size)
+        if _fits_c_kernel(w):
+            packed = pack_int4_cpu(q, scale, zero, self.group_size)
+            return packed.q, packed.scale, packed.zero, packed
+        if w.is_cpu:  # PyTorch's packed layout, the zero folded into its scales_and_zeros
             packed, scales_and_zeros = to_int4pack(q, scale, zero)
-            return {"q": packed, "scale": scales_and_zeros.to(torch.bfloat16)}
-        return {"q": pack_int4(q), "scale": scale.to(w.dtype), "zero": zero.to(w.dtype)}
-    if method == "fp8":
-        q, scale = quantize_fp8(w)
-        return {"q": q, "scale": scale}
-    raise ValueError(f"quantization {method!r} is not supported; use one of {QUANTIZATIONS}")
+            return packed, scales_and_zeros.to(torch.bfloat16), None, None
+        return pack_int4(q), scale.to(w.dtype), zero.to(w.dtype), None
+
+    def matmul(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        if layer.kernel is not None:
+            return _c_matmul(layer.kernel, x)
+        if not x.is_cpu:
+            from .kernels.quant_matmul import int4_matmul
+
+            return int4_matmul(x, layer.q, layer.scale, layer.zero, self.group_size)
+        return int4_linear(x.to(torch.bfloat16), layer.q, layer.scale, self.group_size).to(x.dtype)
+
+    def weight(self, layer: QuantLinear) -> torch.Tensor:
+        if layer.kernel is not None:
+            return _c_weight(layer.kernel)
+        if layer.q.is_cpu:  # PyTorch's packed layout, read back like the C kernel's
+            eye = torch.eye(layer.in_features, dtype=torch.bfloat16)
+            return int4_linear(eye, layer.q, layer.scale, self.group_size).float().T.contiguous()
+        return self.dequantize(layer.q, layer.scale, layer.zero)
+
+
+class Fp8(WeightFormat):
+    """float8 e4m3 per output channel, dequantized at each product: a storage format here, not a fast path."""
+
+    name = "fp8"
+
+    def fake_quantize(self, w: torch.Tensor) -> torch.Tensor:
+        return dequantize_fp8(*quantize_fp8(w))
+
+    def rows(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return (*quantize_fp8(w), None)
+
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, zero: None) -> torch.Tensor:
+        return dequantize_fp8(q, scale)
+
+    def store(self, w: torch.Tensor) -> Stored:
+        return (*self.rows(w), None)
+
+    def matmul(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight(layer).to(x.dtype))
+
+    def weight(self, layer: QuantLinear) -> torch.Tensor:
+        return self.dequantize(layer.q, layer.scale, None)
+
+
+FORMATS: dict[str, type[WeightFormat]] = {f.name: f for f in (Int8, Int4, Fp8)}
+QUANTIZATIONS = tuple(FORMATS)
+
+
+def weight_format(method: str, group_size: int = 64) -> WeightFormat:
+    """The format named `method`, one of `QUANTIZATIONS`."""
+    if method not in FORMATS:
+        raise ValueError(f"quantization {method!r} is not supported; use one of {QUANTIZATIONS}")
+    return FORMATS[method](group_size)
+
+
+def fake_quantize(w: torch.Tensor, method: str, group_size: int = 64) -> torch.Tensor:
+    """w rounded to `method`'s grid and back (float32): what a quantized layer computes with, for measuring a
+    format's error without its kernel. int4 takes any group size (`Int4.fake_quantize`)."""
+    return weight_format(method, group_size).fake_quantize(w)
 
 
 class QuantLinear(nn.Module):
@@ -187,16 +248,16 @@ class QuantLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, method: str, group_size: int = 64):
         super().__init__()
-        self.method, self.group_size = method, group_size
+        self.format = weight_format(method, group_size)
         self.out_features, self.in_features = weight.shape
-        storage = _weight_storage(weight.detach(), method, group_size)
+        q, scale, zero, kernel = self.format.store(weight.detach())
         # the C kernel's weight object (its tensors are also this module's buffers), or None
-        self.kernel: Int4Weight | Int8Weight | None = storage.pop("kernel", None)
-        self._matmul = None if self.kernel is None else bind(self.kernel)  # its arguments converted once
-        for name, tensor in storage.items():
-            self.register_buffer(name, tensor)
+        self.kernel: Int4Weight | Int8Weight | None = kernel
+        self._matmul = None if kernel is None else bind(kernel)  # its arguments converted once
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale)
+        self.register_buffer("zero", zero)
         self.bias = bias
-        self.zero: torch.Tensor | None = getattr(self, "zero", None)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, method: str, group_size: int = 64) -> "QuantLinear":
@@ -204,18 +265,7 @@ class QuantLinear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight this layer computes with (for references and tests)."""
-        if self.kernel is not None:  # an identity's rows are exact in int8, so this reads the weight back
-            eye = torch.eye(self.in_features)
-            out = torch.empty(self.in_features, self.out_features)
-            return matmul_unchecked(eye, self.kernel, None, out).T.contiguous()
-        if self.method == "int8":
-            return dequantize_int8(self.q, self.scale.float())
-        if self.method == "int4" and self.q.is_cpu:
-            eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-            return int4_linear(eye, self.q, self.scale, self.group_size).float().T.contiguous()
-        if self.method == "int4":
-            return dequantize_int4(unpack_int4(self.q), self.scale.float(), self.zero.float())
-        return dequantize_fp8(self.q, self.scale)
+        return self.format.weight(self)
 
     @property
     def nbytes(self) -> int:
@@ -223,28 +273,14 @@ class QuantLinear(nn.Module):
         return sum(t.nbytes for t in (self.q, self.scale, self.zero) if t is not None)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """`x W^T + b` (plus `residual`), with x of any leading shape, in x's dtype."""
+        """`x W^T + b` (plus `residual`), with x of any leading shape, in x's dtype; the product is the format's."""
         shape, x2 = x.shape, x.reshape(-1, x.shape[-1])
         if self.kernel is not None and x.dtype == torch.float32 and self.bias is None:  # the residual add fused in
             x2, out = x2.contiguous(), torch.empty(x2.shape[0], self.out_features)
             r = None if residual is None else residual.reshape(-1, self.out_features).contiguous()
             self._matmul(x2.data_ptr(), None if r is None else r.data_ptr(), out.data_ptr(), x2.shape[0])
             return out if x.dim() == 2 else out.view(*shape[:-1], self.out_features)
-        if self.kernel is not None:
-            y = matmul_unchecked(x2.float().contiguous(), self.kernel, None,
-                                 torch.empty(x2.shape[0], self.out_features)).to(x.dtype)
-        elif self.method == "fp8":
-            y = F.linear(x2, dequantize_fp8(self.q, self.scale).to(x.dtype))
-        elif not x.is_cpu:
-            from .kernels.quant_matmul import int4_matmul, int8_matmul
-
-            y = (int8_matmul(x2, self.q, self.scale) if self.method == "int8"
-                 else int4_matmul(x2, self.q, self.scale, self.zero, self.group_size))
-        elif self.method == "int8":
-            y = int8_linear(x2.to(torch.bfloat16), self.q, self.scale).to(x.dtype)
-        else:
-            y = int4_linear(x2.to(torch.bfloat16), self.q, self.scale, self.group_size).to(x.dtype)
-        y = y.view(*shape[:-1], self.out_features)
+        y = self.format.matmul(self, x2).view(*shape[:-1], self.out_features)
         if self.bias is not None:
             y = y + self.bias
         return y if residual is None else y + residual
@@ -253,24 +289,19 @@ class QuantLinear(nn.Module):
 class QuantEmbedding(nn.Module):
     """The token embedding stored like a quantized weight: a lookup dequantizes only the rows it reads.
 
-    The rows use the plain layouts (`q` int8 or fp8 with a scale per row; int4 as `pack_int4` bytes with a scale
-    and zero per group), whatever the device: a lookup gathers rows, it does not run a product kernel.
+    The rows use the format's plain layout (`WeightFormat.rows`: int8 or fp8 with a scale per row, int4 as
+    `pack_int4` bytes with a scale and zero per group), whatever the device: a lookup gathers rows, it does not run
+    a product kernel.
     """
 
     def __init__(self, weight: torch.Tensor, method: str, group_size: int = 64):
         super().__init__()
-        self.method, self.group_size, self.dtype = method, group_size, weight.dtype
+        self.format, self.dtype = weight_format(method, group_size), weight.dtype
         self.num_embeddings, self.embedding_dim = weight.shape
-        w = weight.detach()
-        if method == "int4":
-            q, scale, zero = quantize_int4(w, group_size)
-            self.register_buffer("q", pack_int4(q))
-            self.register_buffer("zero", zero)
-        else:
-            q, scale = quantize_int8(w, torch.bfloat16) if method == "int8" else quantize_fp8(w)
-            self.register_buffer("q", q)
-            self.zero = None
+        q, scale, zero = self.format.rows(weight.detach())
+        self.register_buffer("q", q)
         self.register_buffer("scale", scale)
+        self.register_buffer("zero", zero)
 
     @property
     def nbytes(self) -> int:
@@ -281,11 +312,9 @@ class QuantEmbedding(nn.Module):
         return self.forward(torch.arange(self.num_embeddings, device=self.q.device)).float()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.method == "int4":
-            rows = dequantize_int4(unpack_int4(self.q[input_ids]), self.scale[input_ids], self.zero[input_ids])
-        else:
-            rows = self.q[input_ids].float() * self.scale[input_ids, None]
-        return rows.to(self.dtype)
+        ids = input_ids.reshape(-1)
+        rows = self.format.dequantize(self.q[ids], self.scale[ids], None if self.zero is None else self.zero[ids])
+        return rows.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
 
 
 def embedding_method(method: str) -> str:

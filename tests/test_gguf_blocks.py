@@ -11,7 +11,7 @@ from gguf.quants import dequantize
 
 from conftest import requires_default_model
 from minillm import gguf_blocks
-from minillm.quant import dequantize_int4
+from minillm.quant_formats import dequantize_int4
 
 
 def q4_1_block(d: float, m: float, q: list[int]) -> bytes:

@@ -12,8 +12,8 @@ import torch
 from minillm.kernels import cpu, int4_cpu
 from minillm.kernels.int4_cpu import (Int4Weight, Int8Weight, int4_cpu_available, int4_cpu_isa, int4_matmul_cpu,
                                      int8_matmul_cpu, matmul_unchecked, pack_int4_cpu, pack_int8_cpu)
-from minillm.quant import (dequantize_int4, dequantize_int8, int4_linear, int8_linear, quantize_int4, quantize_int8,
-                           to_int4pack)
+from minillm.quant import int4_linear, int8_linear, to_int4pack
+from minillm.quant_formats import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not int4_cpu_available(), reason="no C compiler to build the kernel with")
 

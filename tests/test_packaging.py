@@ -38,7 +38,7 @@ from minillm.bench import WORKLOADS, corpus_ids, make_workload
 from minillm.kernels import reference, use_cpu_kernel
 from minillm.kernels.cpu import SOURCE as DECODE_SOURCE, paged_decode_attention
 from minillm.kernels.int4_cpu import SOURCE as INT4_SOURCE, int4_cpu_available, int4_matmul_cpu, pack_int4_cpu
-from minillm.quant import dequantize_int4, quantize_int4
+from minillm.quant_formats import dequantize_int4, quantize_int4
 
 # the installed copy, with no trace of the repository's editable install
 package = Path(minillm.__file__).resolve().parent

@@ -11,7 +11,8 @@ import torch
 
 import minillm.kernels as K  # first: on a CPU it sets TRITON_INTERPRET=1 before anything imports triton
 from minillm.kernels import reference as ref
-from minillm.quant import int4_linear, int8_linear, pack_int4, quantize_int4, quantize_int8, to_int4pack
+from minillm.quant import int4_linear, int8_linear, to_int4pack
+from minillm.quant_formats import pack_int4, quantize_int4, quantize_int8
 
 pytest.importorskip("triton", reason="triton is not installed")
 

@@ -3,8 +3,8 @@ packed weight and measure what the format loses.
 
 Replace each `raise NotImplementedError(...)` with your code, then run `make grade CH=06`.
 Use plain Python, PyTorch (and numpy or `struct` if you like); do not import minillm.quant,
-minillm.gguf_blocks or minillm.kernels.quant_matmul (that is what you are rebuilding), and do not use the
-`gguf` package's decoders in `gguf.quants` (the grader compares your decoder with them).
+minillm.quant_formats, minillm.gguf_blocks or minillm.kernels.quant_matmul (that is what you are rebuilding), and
+do not use the `gguf` package's decoders in `gguf.quants` (the grader compares your decoder with them).
 
 The format: a weight `[out, in]` is cut into groups of `group_size` consecutive inputs of a row. Each group
 keeps a float32 `zero` (its smallest value) and `scale` (its range over 15), and each weight becomes an

@@ -9,7 +9,8 @@ the other names do not need; FORBIDDEN bars its module, which reference.py does 
 import torch
 
 from minillm.gguf_blocks import decode_q4_1
-from minillm.quant import dequantize_int4, fake_quantize, pack_int4, quantize_int4, unpack_int4
+from minillm.quant import fake_quantize
+from minillm.quant_formats import dequantize_int4, pack_int4, quantize_int4, unpack_int4
 
 __all__ = ["quantize_int4", "dequantize_int4", "pack_int4", "unpack_int4", "decode_q4_1", "int4_matmul",
            "quantization_error"]

@@ -166,7 +166,7 @@ def _check(x: torch.Tensor, K: int, weight: tuple[str, torch.Tensor],
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`x [M, K] @ (q * scale[:, None]).T` in x's dtype, for q int8 `[N, K]` and one scale per row `[N]`
-    (`minillm.quant.quantize_int8`'s layout); any strides."""
+    (`minillm.quant_formats.quantize_int8`'s layout); any strides."""
     if q.dim() != 2 or q.dtype != torch.int8:
         raise ValueError(f"q must be an int8 tensor [N, K]; got {tuple(q.shape)} {q.dtype}")
     N, K = q.shape
@@ -181,7 +181,7 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                 group_size: int) -> torch.Tensor:
     """`x [M, K] @ W.T` in x's dtype, for W `[N, K]` with `W[n, k] = q[n, k] * scale[n, g] + zero[n, g]`,
-    g = k // group_size: `packed` uint8 `[N, K / 2]` holds q as `minillm.quant.pack_int4` lays it out, scale
+    g = k // group_size: `packed` uint8 `[N, K / 2]` holds q as `minillm.quant_formats.pack_int4` lays it out, scale
     and zero are `[N, K / group_size]` (`quantize_int4`'s layout). group_size: a power of two dividing K.
     Scales and zeros of any float dtype work; float32 ones can be prefetched with the weights (asynchronous
     copies move 4 bytes or more), while the few bfloat16 ones a K step needs are loaded as it runs."""

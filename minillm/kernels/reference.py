@@ -5,13 +5,14 @@ Each one builds the whole score matrix in float32, exactly the "naive" attention
 Conventions shared with flash-attn: GQA (query head h reads key/value head h // (nheads // nheads_k)); a
 causal mask aligned to the bottom right (query i of seqlen_q sees keys j <= i + seqlen_k - seqlen_q), and a
 query row that sees no key at all returns zeros. The quantized products (`int8_matmul_ref`, `int4_matmul_ref`)
-dequantize the whole weight with `minillm.quant` and multiply in float32.
+dequantize the whole weight with `minillm.quant_formats` and multiply in float32.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..quant_formats import dequantize_int4, dequantize_int8, unpack_int4
 
 
 def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
@@ -85,8 +86,6 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def int8_matmul_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x `[M, K]` @ the int8 weight (q `[N, K]`, scale `[N]`) transposed -> `[M, N]` in x's dtype."""
-    from ..quant import dequantize_int8  # imported here: minillm.quant imports minillm.kernels
-
     return (x.float() @ dequantize_int8(q, scale.float()).T).to(x.dtype)
 
 
@@ -96,7 +95,5 @@ def int4_matmul_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
     transposed -> `[M, N]` in x's dtype."""
     if scale.shape[1] * group_size != 2 * packed.shape[1]:
         raise ValueError(f"{scale.shape[1]} groups of {group_size} do not cover the {2 * packed.shape[1]} inputs")
-    from ..quant import dequantize_int4, unpack_int4
-
     w = dequantize_int4(unpack_int4(packed), scale.float(), zero.float())
     return (x.float() @ w.T).to(x.dtype)

@@ -41,6 +41,22 @@ class AttentionMetadata:
         self.decode = _Part(self.block_tables[p:], self.context_lens[p:], self.query_lens[p:]) if rest else None
 
 
+@dataclass
+class MicroBatch:
+    """The tensors of one forward pass over some of the step's sequences (`ModelRunner.prepare`'s output)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor | None  # None: each sequence's last new token
+
+    @property
+    def num_logits(self) -> int:
+        if self.logits_indices is not None:
+            return len(self.logits_indices)
+        return len(self.meta.query_lens)
+
+
 def _decode_gather(part: "_Part", block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Cache slots of every context token of each decoding sequence, `[seqs, longest]`, and the padding mask."""
     longest = max(part.context_lens_list)

@@ -7,13 +7,13 @@ from typing import NamedTuple
 
 import torch
 
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, MicroBatch
 from .kernels import use_cpu_kernel, use_triton
 from .kv_cache import KVCache
 from .layers import dispatch_mode_active
 from .model import CausalLM
 from .parallel.executor import MultiprocExecutor
-from .parallel.pipeline import MicroBatch, StepPlan
+from .parallel.pipeline import StepPlan
 from .sampling import TokenLogprobs, apply_penalties, logprobs_of, sample
 from .scheduler import SchedulerOutput
 from .sequence import Sequence

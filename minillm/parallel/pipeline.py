@@ -14,24 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention import AttentionMetadata
+from ..attention import MicroBatch
 from .state import ParallelContext
-
-
-@dataclass
-class MicroBatch:
-    """The tensors of one forward pass over some of the step's sequences (`ModelRunner.prepare`'s output)."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor | None  # None: each sequence's last new token
-
-    @property
-    def num_logits(self) -> int:
-        if self.logits_indices is not None:
-            return len(self.logits_indices)
-        return len(self.meta.query_lens)
 
 
 @dataclass

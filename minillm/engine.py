@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from .attention import MicroBatch
 from .block_manager import BlockManager
 from .config import ModelConfig
 from .disagg.connector import KVConnector
@@ -31,7 +32,6 @@ from .output_processor import OutputProcessor, RequestState
 from .outputs import RequestOutput
 from .parallel.config import ParallelConfig
 from .parallel.executor import MultiprocExecutor
-from .parallel.pipeline import MicroBatch
 from .quant import quantize_model
 from .sampling import SamplingParams, TokenLogprobs
 from .scheduler import Scheduler, SchedulerOutput

@@ -1,8 +1,9 @@
 """Chapter 2 — a Llama-family decoder in plain PyTorch: embeddings, N blocks (attention + SwiGLU MLP), norm, head.
 
-`prefill` runs many new tokens (whole prompts, packed) and returns logits at each sequence's last
-token; `decode` runs one new token per sequence; a continuously batched step mixes both in one call.
-All write their keys and values into the paged cache.
+`forward` runs one step over packed new tokens: prompts or chunks of them (prefill) and one token per
+decoding sequence (decode), mixed in one call as continuous batching needs, with logits at each sequence's
+last new token. Every layer writes its keys and values into the paged cache; attention takes the prefill
+and decode tokens down separate paths (`attention.py`).
 
 Inside a step, modules call their children's `forward` directly rather than through `nn.Module.__call__`:
 that wrapper only dispatches hooks, which nothing here uses, and at batch 1 on a CPU its roughly 270
@@ -167,17 +168,6 @@ class CausalLM(nn.Module):
         """
         x = self.run_layers(self.embed_tokens(input_ids), positions, kv_cache, meta)
         return self.final_logits(x, meta, logits_indices)
-
-    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Process prompts (many tokens per sequence); logits at each sequence's last token, `[seqs, vocab]`."""
-        return self(input_ids, positions, kv_cache, meta)
-
-    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache,
-               meta: AttentionMetadata) -> torch.Tensor:
-        """One step: one new token per sequence in, next-token logits `[seqs, vocab]` out."""
-        assert all(n == 1 for n in meta.query_lens), "decode() takes one new token per sequence"
-        return self(input_ids, positions, kv_cache, meta)
 
 
 def load_model(path, config: ModelConfig, dtype: torch.dtype, device: torch.device,

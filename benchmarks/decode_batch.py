@@ -4,9 +4,10 @@ For each context length and batch size, that many requests with distinct random 
 prefilled; then every engine decode step is followed at once by one bare step (`matvec_step(model, batch)`:
 the model's own weight products for `[batch, in]` inputs and nothing else), and bare/engine is the median of
 the per-step ratios. The bare products leave attention out, so attention is timed on its own, over all layers
-of the same cache and block tables: the engine's C kernel (reads keys and values in place), PyTorch's
-gather-then-SDPA (`MINILLM_ATTENTION=torch`), and SDPA over contiguous copies of the same keys and values,
-the floor an unpaged cache would give.
+of the same cache and block tables: the engine's C kernel (reads keys and values in place), the same kernel
+over an int8 copy of the pool (`kv_cache_dtype="int8"`: a quarter of the bytes, plus a scale per vector),
+PyTorch's gather-then-SDPA (`MINILLM_ATTENTION=torch`), and SDPA over contiguous copies of the same keys and
+values, the floor an unpaged cache would give.
 
     .venv/bin/python -m benchmarks.decode_batch [--contexts 64 512] [--batches 1 4 16 32 64] [--steps 12]
 """
@@ -27,7 +28,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minillm import LLM, SamplingParams, threads
-from minillm.attention import _Part, cpu_decode_attention, decode_attention
+from minillm.attention import _Part, cpu_decode_attention, decode_attention, quantize_kv
 from minillm.roofline import matvec_step
 
 TARGET = 0.85  # bare/engine at every batch up to TARGET_BATCH at the shortest context
@@ -61,7 +62,7 @@ def paired_steps(engine, bare, steps: int) -> tuple[list[float], list[float]]:
 
 
 def attention_times(engine, rounds: int = 5) -> dict[str, float]:
-    """Seconds per step (all layers) of decode attention for the running batch, three ways, alternated."""
+    """Seconds per step (all layers) of decode attention for the running batch, four ways, alternated."""
     seqs = engine.scheduler.running
     cfg, kv = engine.config, engine.kv_cache
     width = max(len(s.block_table) for s in seqs)
@@ -75,10 +76,15 @@ def attention_times(engine, rounds: int = 5) -> dict[str, float]:
     contiguous = [tuple(cache.view(-1, cfg.num_kv_heads, cfg.head_dim)[probe.gather_slots].transpose(1, 2).contiguous()
                         for cache in layer) for layer in layers]  # [seqs, kv_heads, longest, head_dim] each
     q4 = q.view(len(seqs), cfg.num_kv_heads, group, cfg.head_dim)
+    int8 = [tuple(quantize_kv(cache, torch.int8) for cache in layer) for layer in layers]  # ((k, k_scale), (v, v_scale))
 
     def c_kernel():
         for k, v in layers:
             cpu_decode_attention(q, k, v, part, scale)
+
+    def c_kernel_int8():
+        for (k, k_scale), (v, v_scale) in int8:
+            cpu_decode_attention(q, k, v, part, scale, k_scale, v_scale)
 
     def torch_gather():
         fresh = _Part(part.block_tables, part.context_lens, part.query_lens)  # slots worked out once per step
@@ -89,7 +95,8 @@ def attention_times(engine, rounds: int = 5) -> dict[str, float]:
         for k, v in contiguous:
             F.scaled_dot_product_attention(q4, k, v, attn_mask=probe.mask, scale=scale)
 
-    variants = {"C kernel": c_kernel, "torch gather+SDPA": torch_gather, "contiguous SDPA": contiguous_sdpa}
+    variants = {"C kernel": c_kernel, "C kernel, int8 K/V": c_kernel_int8, "torch gather+SDPA": torch_gather,
+                "contiguous SDPA": contiguous_sdpa}
     times: dict[str, list[float]] = {name: [] for name in variants}
     with torch.inference_mode():
         for _ in range(rounds):
@@ -119,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
           f"decode attention: {'C kernel' if engine.runner.use_cpu_kernel else 'PyTorch'}; "
           f"{args.steps} paired steps per row; ms per step, attention summed over {engine.config.num_layers} layers")
     print(f"{'context':>7} {'batch':>5} {'engine':>8} {'bare':>8} {'bare/engine':>17}   "
-          f"{'attn: C kernel':>14} {'torch gather':>12} {'contiguous':>10}")
+          f"{'attn: C kernel':>14} {'C int8 K/V':>10} {'torch gather':>12} {'contiguous':>10}")
     misses = []
     for context in args.contexts:
         for batch in args.batches:
@@ -135,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             ratio = statistics.median(ratios)
             print(f"{context:7d} {batch:5d} {1e3 * statistics.median(engine_times):8.1f} "
                   f"{1e3 * statistics.median(bare_times):8.1f} {ratio:5.2f} ({q[0]:.2f}-{q[2]:.2f})   "
-                  f"{1e3 * attention['C kernel']:14.1f} {1e3 * attention['torch gather+SDPA']:12.1f} "
+                  f"{1e3 * attention['C kernel']:14.1f} {1e3 * attention['C kernel, int8 K/V']:10.1f} "
+                  f"{1e3 * attention['torch gather+SDPA']:12.1f} "
                   f"{1e3 * attention['contiguous SDPA']:10.1f}", flush=True)
             if context == min(args.contexts) and batch <= TARGET_BATCH and ratio < TARGET:
                 misses.append(batch)

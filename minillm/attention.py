@@ -31,7 +31,7 @@ class AttentionMetadata:
     query_lens: list[int]       # new tokens of each sequence
     num_prefills: int           # the first num_prefills sequences are prefills, the rest decodes
     use_triton: bool = False    # attend with minillm.kernels (Triton) instead of plain PyTorch
-    use_cpu_kernel: bool = False  # decode through the C kernel of minillm.kernels.cpu (float32 on a CPU)
+    use_cpu_kernel: bool = False  # decode through the C kernel of minillm.kernels.cpu (a float32 or int8 pool on a CPU)
 
     def __post_init__(self) -> None:
         p = self.num_prefills
@@ -204,13 +204,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Store this step's K/V, then attend: the prefill part and the decode part each through its own path.
 
-    A quantized pool (`k_scale`, `v_scale` given) is read by the PyTorch paths, which dequantize what they gather.
+    A quantized pool (`k_scale`, `v_scale` given) is read by the PyTorch paths, which dequantize what they gather,
+    except that the C kernel reads an int8 pool in place for float32 decode queries.
     """
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     p = meta.num_prefill_tokens
     if k_scale is not None:
         prefill = functools.partial(prefill_attention, k_scale=k_scale, v_scale=v_scale)
-        decode = functools.partial(decode_attention, k_scale=k_scale, v_scale=v_scale)
+        kernel = meta.use_cpu_kernel and k_cache.dtype == torch.int8 and q.dtype == torch.float32
+        decode = functools.partial(cpu_decode_attention if kernel else decode_attention, k_scale=k_scale,
+                                   v_scale=v_scale)
     elif meta.use_triton:
         prefill, decode = triton_prefill_attention, triton_decode_attention
     else:
@@ -224,12 +227,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 
 def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: _Part,
-                         scale: float) -> torch.Tensor:
+                         scale: float, k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`decode_attention` through the C kernel, which reads the keys and values in place instead of copying
-    them out of the pool first (int32 block tables and lengths, as the model runner builds them)."""
+    them out of the pool first (int32 block tables and lengths, as the model runner builds them); a float32
+    pool, or an int8 one with its scales."""
     from .kernels.cpu import paged_decode_unchecked
 
-    return paged_decode_unchecked(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+    return paged_decode_unchecked(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, k_scale, v_scale)
 
 
 def triton_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

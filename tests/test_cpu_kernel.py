@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from minillm.attention import _Part, decode_attention
+from minillm.attention import _Part, decode_attention, quantize_kv
 from minillm.kernels import use_cpu_kernel
 from minillm.kernels.cpu import cpu_kernel_available, paged_decode_attention
 
@@ -28,6 +28,28 @@ def test_matches_torch_decode(batch, heads, kv_heads, dim, block_size, max_len):
     expected = decode_attention(q, k_cache, v_cache, _Part(tables, lens, [1] * batch), dim ** -0.5)
     got = paged_decode_attention(q, k_cache, v_cache, tables, lens, dim ** -0.5)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,dim,block_size,max_len", [
+    (1, 9, 3, 64, 16, 1), (7, 9, 3, 64, 16, 100), (3, 8, 1, 128, 8, 61), (16, 4, 2, 16, 1, 9)])
+def test_int8_pool_matches_torch_decode(batch, heads, kv_heads, dim, block_size, max_len):
+    """An int8 pool with a scale per vector: the kernel dequantizes as it reads, PyTorch after gathering."""
+    q, k_float, v_float, tables, lens = paged_case(batch + max_len, batch, heads, kv_heads, dim, block_size, max_len)
+    (k_cache, k_scale), (v_cache, v_scale) = (quantize_kv(c, torch.int8) for c in (k_float, v_float))
+    expected = decode_attention(q, k_cache, v_cache, _Part(tables, lens, [1] * batch), dim ** -0.5, k_scale, v_scale)
+    got = paged_decode_attention(q, k_cache, v_cache, tables, lens, dim ** -0.5, k_scale, v_scale)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_pool_needs_its_scales():
+    q, k_float, v_float, tables, lens = paged_case(2, 2, 4, 2, 8, 4, 10, num_blocks=8)
+    (k_cache, k_scale), (v_cache, v_scale) = (quantize_kv(c, torch.int8) for c in (k_float, v_float))
+    with pytest.raises(ValueError, match="scales"):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="scales"):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, 1.0, k_scale[:, :2], v_scale)
+    with pytest.raises(ValueError, match="scales"):
+        paged_decode_attention(q, k_float, v_float, tables, lens, 1.0, k_scale, v_scale)
 
 
 def test_strided_queries_and_int64_tables():

@@ -8,6 +8,7 @@ from minillm import LLM, SamplingParams
 from minillm.attention import (_Part, decode_attention, dequantize_kv, gather_kv, prefill_attention, quantize_kv,
                                store_kv)
 from minillm.config import ModelConfig
+from minillm.kernels.cpu import cpu_kernel_available
 from minillm.kv_cache import KVCache, blocks_for_budget, kv_block_bytes
 
 TINY = ModelConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -85,3 +86,19 @@ def test_engine_with_a_quantized_cache(tiny_llama, name):
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
     with pytest.raises(ValueError, match="kv_cache_dtype 'float8'"):
         LLM(tiny_llama, device="cpu", kv_cache_dtype="float8")
+
+
+def test_int8_cache_decodes_through_the_c_kernel(tiny_llama, monkeypatch):
+    """The C kernel reads an int8 pool in place: the same greedy tokens as PyTorch's gather-then-dequantize."""
+    if not cpu_kernel_available():
+        pytest.skip("no C compiler to build the kernel with")
+    monkeypatch.delenv("MINILLM_ATTENTION", raising=False)
+    prompts = [list(range(5, 30)), list(range(40, 47))]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    outputs = []
+    for choice in ("auto", "torch"):
+        monkeypatch.setenv("MINILLM_ATTENTION", choice)
+        llm = LLM(tiny_llama, device="cpu", dtype=torch.float32, num_kv_blocks=64, block_size=4, kv_cache_dtype="int8")
+        assert llm.engine.runner.use_cpu_kernel == (choice == "auto")
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert outputs[0] == outputs[1]

@@ -67,9 +67,10 @@ def use_triton(device: torch.device | str | None = None) -> bool:
 
 
 def use_cpu_kernel(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """True when decode attention should run through the C kernel (`minillm.kernels.cpu`): on a CPU, for
-    float32, with `$MINILLM_ATTENTION` unset or "auto", and when the kernel builds on this machine."""
-    if _choice() != "auto" or torch.device(device).type != "cpu" or dtype != torch.float32:
+    """True when decode attention should run through the C kernel (`minillm.kernels.cpu`): on a CPU, for a
+    float32 or int8 KV pool (`dtype`), with `$MINILLM_ATTENTION` unset or "auto", and when the kernel builds on
+    this machine."""
+    if _choice() != "auto" or torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.int8):
         return False
     from .cpu import cpu_kernel_available
 

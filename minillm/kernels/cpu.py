@@ -7,6 +7,8 @@ once. At batch 32 that copy costs as much as the attention itself. The C kernel 
 row where it lies, once. It is built with the machine's C compiler (`$CC`, default `cc`) for this CPU
 (`-march=native`, vectorized `expf` from glibc's libmvec) into the cache directory, and shares PyTorch's
 OpenMP runtime, so `torch.set_num_threads` sets its threads too. Without a compiler the PyTorch path runs.
+An int8 pool (chapter 6's quantized KV cache) is read the same way, a quarter of the bytes, each vector
+dequantized with its scale as it is read.
 """
 
 from __future__ import annotations
@@ -48,35 +50,42 @@ def _build(source: Path, directory: Path) -> Path:
 
 
 @functools.cache
-def _kernel():
-    """The compiled function, or None when it cannot be built here (no compiler, not Linux/glibc)."""
+def _library():
+    """The compiled kernels, or None when they cannot be built here (no compiler, not Linux/glibc)."""
     try:
         lib = ctypes.CDLL(str(_build(SOURCE, cache_dir() / "kernels")))
     except (OSError, subprocess.CalledProcessError):
         return None
-    fn = lib.paged_decode_f32
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
-    return fn
+    lib.paged_decode_f32.restype = lib.paged_decode_i8.restype = None
+    lib.paged_decode_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
+    lib.paged_decode_i8.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
+    return lib
 
 
 def cpu_kernel_available() -> bool:
     """Whether the C decode kernel is built (building it now if needed) and loadable on this machine."""
-    return _kernel() is not None
+    return _library() is not None
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(scale * q K^T) V for one query token per sequence, `q: [seqs, heads, dim]` (float32, CPU), over
     the first `context_lens[s]` cached tokens of each sequence, read through `block_tables` from the paged
-    `[blocks, block_size, kv_heads, dim]` caches. Equals `minillm.attention.decode_attention`."""
-    fn = _kernel()
-    if fn is None:
+    `[blocks, block_size, kv_heads, dim]` caches: float32, or int8 with float32 scales `k_scale`, `v_scale`
+    `[blocks, block_size, kv_heads]` (one per vector). Equals `minillm.attention.decode_attention`."""
+    if _library() is None:
         raise RuntimeError("the C decode kernel could not be built here (is a C compiler installed?)")
-    if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (q, k_cache, v_cache)) \
+    quantized = k_cache.dtype == torch.int8
+    if not all(t.device.type == "cpu" for t in (q, k_cache, v_cache)) or q.dtype != torch.float32 \
+            or k_cache.dtype != v_cache.dtype or k_cache.dtype not in (torch.float32, torch.int8) \
             or not (k_cache.is_contiguous() and v_cache.is_contiguous() and q[0].is_contiguous()):
-        raise ValueError("paged_decode_attention takes float32 CPU tensors, the caches contiguous and each "
-                         "sequence's query heads contiguous")
+        raise ValueError("paged_decode_attention takes float32 CPU queries, float32 or int8 caches, the caches "
+                         "contiguous and each sequence's query heads contiguous")
+    if quantized != (k_scale is not None and v_scale is not None) or quantized and not all(
+            s.dtype == torch.float32 and s.is_contiguous() and s.shape == k_cache.shape[:3] for s in (k_scale, v_scale)):
+        raise ValueError("an int8 pool needs float32 scales k_scale and v_scale shaped [blocks, block_size, kv_heads] "
+                         "(contiguous), and a float32 pool none")
     seqs, heads, dim = q.shape
     blocks, block_size, kv_heads, _ = k_cache.shape
     if heads % kv_heads or k_cache.shape[3] != dim or v_cache.shape != k_cache.shape:
@@ -91,16 +100,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("every context length must be at least 1 and fit in its block table")
     if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= blocks):
         raise ValueError(f"block_tables name blocks outside the cache's {blocks}")
-    return paged_decode_unchecked(q, k_cache, v_cache, tables, lens, scale)
+    return paged_decode_unchecked(q, k_cache, v_cache, tables, lens, scale, k_scale, v_scale)
 
 
 def paged_decode_unchecked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                           lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_decode_attention` without its checks, for the engine, whose metadata is built to fit (int32
     `tables` and `lens`, contiguous): checking at every layer would cost more than the kernel saves at batch 1."""
     seqs, heads, dim = q.shape
     out = torch.empty(seqs, heads, dim)
-    _kernel()(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-              out.data_ptr(), seqs, heads, k_cache.shape[2], dim, k_cache.shape[1], tables.shape[1], scale,
-              q.stride(0))
+    caches = [k_cache.data_ptr(), v_cache.data_ptr()]
+    if k_scale is None:
+        fn = _library().paged_decode_f32
+    else:
+        fn, caches = _library().paged_decode_i8, caches + [k_scale.data_ptr(), v_scale.data_ptr()]
+    fn(q.data_ptr(), *caches, tables.data_ptr(), lens.data_ptr(), out.data_ptr(), seqs, heads, k_cache.shape[2], dim,
+       k_cache.shape[1], tables.shape[1], scale, q.stride(0))
     return out

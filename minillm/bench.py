@@ -283,11 +283,14 @@ async def _stream(client, endpoint: str, model: str, prompt: Prompt, max_tokens:
 
 
 def _client(base_url: str, timeout: float, connections: int, api_key: str | None = None):
-    """An AsyncOpenAI client with no retries and enough connections that the pool never queues a request."""
+    """An AsyncOpenAI client with no retries and enough connections that the pool never queues a request. Each
+    request opens its own connection (microseconds on loopback): a server may close a kept-alive connection just as
+    the client reuses it (llama-server did, after a few requests on one), which without retries would count as a
+    failed request."""
     import httpx
     from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=0)
     pool = DefaultAsyncHttpxClient(limits=limits)
     return AsyncOpenAI(base_url=base_url, api_key=api_key or "minillm", max_retries=0, timeout=timeout,
                        http_client=pool)
@@ -337,7 +340,8 @@ async def run_http(base_url: str, model: str, work: Sequence[tuple[Prompt, int]]
                 user = {} if users is None or users[i] is None else {"user": users[i]}
                 records[i], served[i] = await _stream(client, endpoint, model, *work[i], arrival, {**options, **user})
             except Exception as e:  # an HTTP error, a dropped connection, a malformed stream: count it, go on
-                errors.append(f"request {i}: {type(e).__name__}: {e}")
+                cause = f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ else ""
+                errors.append(f"request {i}: {type(e).__name__}: {e}{cause}")
             bar.update()
 
     with tqdm(total=len(work), desc="requests", disable=not progress) as bar:

@@ -284,7 +284,7 @@ async def _stream(client, endpoint: str, model: str, prompt: Prompt, max_tokens:
 
 def _client(base_url: str, timeout: float, connections: int, api_key: str | None = None):
     """An AsyncOpenAI client with no retries and enough connections that the pool never queues a request. Each
-    request opens its own connection (microseconds on loopback): a server may close a kept-alive connection just as
+    request opens its own connection (a loopback connect, not timed apart): a server may close a kept-alive connection just as
     the client reuses it (llama-server did, after a few requests on one), which without retries would count as a
     failed request."""
     import httpx

@@ -62,6 +62,14 @@ def test_magnitude_mask_drops_exactly_the_smallest():
     assert pruning.magnitude_mask(w, 0.0).all()
 
 
+def test_magnitude_mask_drops_exactly_its_share_among_ties():
+    w = torch.tensor([[0.5, -1.0, 0.5, 2.0], [0.5, 0.0, -0.5, 1.0]])  # four entries tie at the cut
+    keep = pruning.magnitude_mask(w, 0.5)
+    assert int((~keep).sum()) == 4
+    assert w[~keep].abs().max() <= w[keep].abs().min()
+    assert keep.tolist() == [[False, True, False, True], [False, False, True, True]]  # ties go in memory order
+
+
 def test_n_m_mask_keeps_the_largest_of_every_group():
     w = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
     keep = pruning.n_m_mask(w, 2, 4).view(8, 16, 4)

@@ -7,7 +7,8 @@ Three workloads, each run through its variants in turn:
              PyTorch's `_weight_int4pack_mm_for_cpu` with bfloat16 activations (`minillm.quant.int4_linear`) and
              float32 oneDNN (`minillm.layers.packed_linear`)
   int8 step  the same products with int8 weights per output channel: `int8_matmul_cpu`, `matmul_unchecked` and
-             PyTorch's `_weight_int8pack_mm` with bfloat16 activations (`minillm.quant.int8_linear`)
+             PyTorch's `_weight_int8pack_mm` with bfloat16 activations (`minillm.quant.int8_linear`); and
+             `matmul_unchecked` with int8 in groups of 32 (GGUF's Q8_0), a float32 scale each
   int8 head  the tied output layer, 576->49152, in int8 the same three ways
 Variants alternate round by round; medians are printed with the weight bytes each variant reads per second, of
 wall time and, for a machine shared with other work, of the calling thread's CPU time (with one thread every
@@ -83,8 +84,10 @@ def int4_variants(shapes: list[tuple[int, int]]) -> Variants:
 
 
 def int8_variants(shapes: list[tuple[int, int]]) -> Variants:
-    quantized = [quantize_int8(w, torch.bfloat16) for w in random_weights(shapes)]
+    weights = random_weights(shapes)
+    quantized = [quantize_int8(w, torch.bfloat16) for w in weights]
     ours = [pack_int8_cpu(*qs) for qs in quantized]
+    grouped = [pack_int8_cpu(*quantize_int8(w, group_size=GROUP)) for w in weights]
     theirs = [(q, scale.to(torch.bfloat16)) for q, scale in quantized]
 
     def c_kernel(xs):
@@ -98,6 +101,7 @@ def int8_variants(shapes: list[tuple[int, int]]) -> Variants:
     ours_bytes = sum(w.nbytes for w in ours)
     return {"C int8 (int8 x)": (c_kernel, ours_bytes),
             "C int8 unchecked": (lambda xs: unchecked(xs, ours), ours_bytes),
+            f"C int8 G={GROUP} unchecked": (lambda xs: unchecked(xs, grouped), sum(w.nbytes for w in grouped)),
             "torch int8 (bf16 x)": (torch_int8, sum(q.nbytes + scale.nbytes for q, scale in theirs))}
 
 

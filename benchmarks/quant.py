@@ -3,7 +3,7 @@
 Three parts (`--parts`, default all):
   products  every weight product of one decode step (30 layers + head) in float32 (the engine's oneDNN path),
             int8 and int4, each with float32 and bfloat16 activations: why the quantized paths take bf16;
-  engine    the engine per format (float32, int8, int4 G=32): batch-1 decode tok/s, a 384-token prefill, and
+  engine    the engine per format (float32, int8 per channel and G=32, int4 G=32): batch-1 decode tok/s, a 384-token prefill, and
             the chat workload of benchmarks/throughput.py (16 requests at once); llama.cpp on the default
             model's own GGUF (Q4_1) runs the same prompts when llama-cpp-python is installed
             (`benchmarks/llamacpp.py` says how), and the targets are printed as ratios;
@@ -37,6 +37,7 @@ from minillm.perplexity import greedy_agreement, perplexity
 from minillm.roofline import decode_linears, time_median
 
 FORMATS = {"float32": {}, "int8": dict(quantization="int8"),
+           "int8 G=32": dict(quantization="int8", quantization_group_size=32),
            "int4 G=32": dict(quantization="int4", quantization_group_size=32)}
 QUALITY = {**FORMATS, "int4 G=64": dict(quantization="int4", quantization_group_size=64),
            "fp8": dict(quantization="fp8"), "KV cache int8": dict(kv_cache_dtype="int8"),
@@ -130,7 +131,7 @@ def engine(rounds: int, requests: int) -> None:
     print(f"  {'':40} {'decode tok/s':>12} {'prefill tok/s':>13} {'chat tok/s':>10}")
     for name, r in results.items():
         print(f"  {name:40} {r['decode_tok_s']:12.1f} {r['prefill_tok_s']:13.1f} {r['chat_tok_s']:10.1f}")
-    fp32, int8, int4 = (results[f"minillm {n}"] for n in FORMATS)
+    fp32, int8, _, int4 = (results[f"minillm {n}"] for n in FORMATS)
     print(f"  target int8 decode >= 2x float32:                 {int8['decode_tok_s'] / fp32['decode_tok_s']:.2f}x")
     lc = results.get("llama.cpp Q4_1 (one request at a time)")
     if lc:
@@ -161,7 +162,8 @@ def quality(ppl_tokens: int | None) -> None:
         before = statistics.mean(32 if n < 0 else n for n in agree.prefix_tokens)
         print(f"  {name:16} {ppl.perplexity:10.3f} {100 * (ppl.perplexity / base_ppl - 1):+9.2f}% "
               f"{agree.identical:>5}/{len(prompts)} {before:24.1f} {agree.top1:15.1%}")
-    print(f"  targets: int8 <= +1 %: {100 * (rows['int8'][0].perplexity / base_ppl - 1):+.2f} %; "
+    print(f"  targets: int8 <= +1 %: per output channel {100 * (rows['int8'][0].perplexity / base_ppl - 1):+.2f} %, "
+          f"in groups of 32 {100 * (rows['int8 G=32'][0].perplexity / base_ppl - 1):+.2f} %; "
           f"int4 G=32 <= +2 %: {100 * (rows['int4 G=32'][0].perplexity / base_ppl - 1):+.2f} %")
 
 

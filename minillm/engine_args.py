@@ -44,7 +44,8 @@ class EngineArgs:
     max_num_batched_tokens: int = _arg(2048, "most tokens (prompt chunks and decodes) in one step")
     enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of prompts' shared beginnings")
     quantization: str | None = _arg(None, "quantize the linear layers' weights (chapter 6)", QUANTIZATIONS)
-    quantization_group_size: int = _arg(64, "weights sharing one scale (int4) along the input dimension")
+    quantization_group_size: int | None = _arg(None, "weights sharing one scale along the input dimension (default: "
+                                                     "64 for int4, one scale per output channel for int8)")
     kv_cache_dtype: str = _arg("auto", "KV cache storage: auto (the model's dtype), int8 or fp8",
                                ("auto", *KV_CACHE_DTYPES))
     tensor_parallel_size: int = _arg(1, "processes each layer is split over (chapter 7)")
@@ -54,10 +55,10 @@ class EngineArgs:
                                          "program already set, else all cores but one)", flag="--threads")
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "quantization_group_size",
-                     "tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "pipeline_parallel_size"):
             _check_count(name, getattr(self, name))
-        for name in ("num_kv_blocks", "num_threads"):
+        for name in ("num_kv_blocks", "num_threads", "quantization_group_size"):
             if getattr(self, name) is not None:
                 _check_count(name, getattr(self, name))
         for f in dataclasses.fields(self):

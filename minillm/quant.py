@@ -80,9 +80,10 @@ class WeightFormat(ABC):
     do with them."""
 
     name: str
+    default_group_size: int | None = None  # inputs sharing one scale when none is asked for; None: a whole row
 
-    def __init__(self, group_size: int = 64):
-        self.group_size = group_size  # inputs sharing one scale (int4 only)
+    def __init__(self, group_size: int | None = None):
+        self.group_size = self.default_group_size if group_size is None else group_size
 
     @abstractmethod
     def fake_quantize(self, w: torch.Tensor) -> torch.Tensor:
@@ -110,30 +111,39 @@ class WeightFormat(ABC):
 
 
 class Int8(WeightFormat):
-    """int8 per output channel, the scales rounded to bfloat16. On a CPU: the C kernel (activations rounded to int8
-    per block of 32), else PyTorch's `_weight_int8pack_mm` with bfloat16 activations; on a GPU: Triton."""
+    """int8 per output channel, the scales rounded to bfloat16, or given a group size, per group of that many
+    inputs (GGUF's Q8_0 with 32), the scales in float32. On a CPU: the C kernel (activations rounded to int8 per
+    block of 32), else per channel PyTorch's `_weight_int8pack_mm` with bfloat16 activations; on a GPU per channel:
+    Triton. Groups without the C kernel are dequantized at each product, like fp8."""
 
     name = "int8"
 
+    def _rounded(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_int8(w, torch.bfloat16 if self.group_size is None else torch.float32, self.group_size)
+
     def fake_quantize(self, w: torch.Tensor) -> torch.Tensor:
-        return dequantize_int8(*quantize_int8(w))
+        return dequantize_int8(*quantize_int8(w, group_size=self.group_size))
 
     def rows(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        return (*quantize_int8(w, torch.bfloat16), None)
+        return (*self._rounded(w), None)
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, zero: None) -> torch.Tensor:
         return dequantize_int8(q, scale.float())
 
     def store(self, w: torch.Tensor) -> Stored:
-        q, scale = quantize_int8(w, torch.bfloat16)
-        if _fits_c_kernel(w):
+        q, scale = self._rounded(w)
+        if _fits_c_kernel(w) and (self.group_size or 32) % 32 == 0:
             packed = pack_int8_cpu(q, scale)
             return packed.q, packed.scale, None, packed
+        if self.group_size is not None:
+            return q, scale, None, None
         return q, scale.to(torch.bfloat16 if w.is_cpu else w.dtype), None, None
 
     def matmul(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         if layer.kernel is not None:
             return _c_matmul(layer.kernel, x)
+        if self.group_size is not None:
+            return F.linear(x, self.dequantize(layer.q, layer.scale, None).to(x.dtype))
         if not x.is_cpu:
             from .kernels.quant_matmul import int8_matmul
 
@@ -150,6 +160,7 @@ class Int4(WeightFormat):
     GPU: Triton, on `pack_int4` bytes."""
 
     name = "int4"
+    default_group_size = 64
 
     def fake_quantize(self, w: torch.Tensor) -> torch.Tensor:
         """Any group size: a last group shorter than the others (128 does not divide 576) is filled out with copies
@@ -197,7 +208,8 @@ class Int4(WeightFormat):
 
 
 class Fp8(WeightFormat):
-    """float8 e4m3 per output channel, dequantized at each product: a storage format here, not a fast path."""
+    """float8 e4m3 per output channel (whatever the group size), dequantized at each product: a storage format
+    here, not a fast path."""
 
     name = "fp8"
 
@@ -224,14 +236,15 @@ FORMATS: dict[str, type[WeightFormat]] = {f.name: f for f in (Int8, Int4, Fp8)}
 QUANTIZATIONS = tuple(FORMATS)
 
 
-def weight_format(method: str, group_size: int = 64) -> WeightFormat:
-    """The format named `method`, one of `QUANTIZATIONS`."""
+def weight_format(method: str, group_size: int | None = None) -> WeightFormat:
+    """The format named `method`, one of `QUANTIZATIONS`, with `group_size` inputs sharing a scale (None: the
+    format's default, `WeightFormat.default_group_size`)."""
     if method not in FORMATS:
         raise ValueError(f"quantization {method!r} is not supported; use one of {QUANTIZATIONS}")
     return FORMATS[method](group_size)
 
 
-def fake_quantize(w: torch.Tensor, method: str, group_size: int = 64) -> torch.Tensor:
+def fake_quantize(w: torch.Tensor, method: str, group_size: int | None = None) -> torch.Tensor:
     """w rounded to `method`'s grid and back (float32): what a quantized layer computes with, for measuring a
     format's error without its kernel. int4 takes any group size (`Int4.fake_quantize`)."""
     return weight_format(method, group_size).fake_quantize(w)
@@ -246,7 +259,7 @@ class QuantLinear(nn.Module):
     dequantize inside the product. fp8 is dequantized at each call: a storage format here, not a fast path.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, method: str, group_size: int = 64):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, method: str, group_size: int | None = None):
         super().__init__()
         self.format = weight_format(method, group_size)
         self.out_features, self.in_features = weight.shape
@@ -260,7 +273,7 @@ class QuantLinear(nn.Module):
         self.bias = bias
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, method: str, group_size: int = 64) -> "QuantLinear":
+    def from_linear(cls, linear: nn.Linear, method: str, group_size: int | None = None) -> "QuantLinear":
         return cls(linear.weight, linear.bias, method, group_size)
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -294,7 +307,7 @@ class QuantEmbedding(nn.Module):
     a product kernel.
     """
 
-    def __init__(self, weight: torch.Tensor, method: str, group_size: int = 64):
+    def __init__(self, weight: torch.Tensor, method: str, group_size: int | None = None):
         super().__init__()
         self.format, self.dtype = weight_format(method, group_size), weight.dtype
         self.num_embeddings, self.embedding_dim = weight.shape
@@ -324,9 +337,11 @@ def embedding_method(method: str) -> str:
     return "int8" if method == "int4" else method
 
 
-def quantize_model(model: nn.Module, method: str, group_size: int = 64, keep: tuple[str, ...] = ()) -> list[str]:
-    """Quantize `model` in place: every linear layer in `method`, and the token embedding and head in
-    `embedding_method(method)` (a tied head becomes a `QuantLinear` of the embedding matrix, quantized once for
+def quantize_model(model: nn.Module, method: str, group_size: int | None = None, keep: tuple[str, ...] = ()
+                   ) -> list[str]:
+    """Quantize `model` in place: every linear layer in `method` with `group_size` (None: the format's default),
+    and the token embedding and head in `embedding_method(method)`, per output channel where that is another
+    format (a tied head becomes a `QuantLinear` of the embedding matrix, quantized once for
     each use), except the modules named in `keep` (qualified names, e.g. "layers.0.mlp.down_proj",
     "embed_tokens", "lm_head"), which stay in the model's dtype (mixed precision). The float weights replaced are
     freed. Returns the names quantized."""
@@ -338,21 +353,23 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 64, keep: tu
     unknown = [name for name in keep if name not in names and name != "lm_head"]
     if unknown:
         raise ValueError(f"keep names modules the model does not have: {unknown}")
+    outer = embedding_method(method)
+    outer_group = group_size if outer == method else None
     replaced = []
     for name, module in list(names.items()):
         if isinstance(module, Linear) and name not in keep:
             parent_name, _, attr = name.rpartition(".")
-            fmt = embedding_method(method) if name == "lm_head" else method
+            fmt, group = (outer, outer_group) if name == "lm_head" else (method, group_size)
             setattr(model.get_submodule(parent_name) if parent_name else model, attr,
-                    QuantLinear.from_linear(module, fmt, group_size))
+                    QuantLinear.from_linear(module, fmt, group))
             replaced.append(name)
-    embedding, outer = model.embed_tokens.weight, embedding_method(method)
+    embedding = model.embed_tokens.weight
     if model.lm_head is None and "lm_head" not in keep:  # the tied head: a product over the embedding matrix
-        model.lm_head = QuantLinear(embedding, None, outer, group_size)
+        model.lm_head = QuantLinear(embedding, None, outer, outer_group)
         model.packed_head = None
         replaced.append("lm_head")
     if "embed_tokens" not in keep:
-        model.embed_tokens = QuantEmbedding(embedding, outer, group_size)
+        model.embed_tokens = QuantEmbedding(embedding, outer, outer_group)
         replaced.append("embed_tokens")
     _release_float_storage(model)
     return replaced
@@ -367,7 +384,8 @@ def _release_float_storage(model: nn.Module) -> None:
                 p.data = p.data.clone()
 
 
-def fake_quantize_model(model: nn.Module, method: str, group_size: int = 64, only: tuple[str, ...] | None = None
+def fake_quantize_model(model: nn.Module, method: str, group_size: int | None = None,
+                        only: tuple[str, ...] | None = None
                         ) -> list[str]:
     """Round the float weights of `model`'s linear layers and token embedding (which a tied head shares) to a
     format's grid in place (`fake_quantize`); the model keeps its float kernels. For measuring what a format, a

@@ -5,6 +5,7 @@ Each format stores a weight `[out, in]` as small numbers plus a few float scales
 every weight once, reads fewer bytes:
 
     int8   symmetric per output channel     w ~ q * scale,          q in [-127, 127]          8 bits + 32/in
+           or per group of G (GGUF's Q8_0)                                                     8 bits + 32/G
     int4   asymmetric per group (GGUF Q4_1) w ~ q * scale + zero,   q in [0, 15], 2 per byte  4 bits + 32/G
     fp8    e4m3 per output channel          w ~ float(q) * scale,   |q| <= 448                8 bits + 32/in
 
@@ -25,19 +26,29 @@ def check_weight(w: torch.Tensor) -> None:
         raise ValueError(f"expected a 2-D floating-point weight [out, in], got {tuple(w.shape)} {w.dtype}")
 
 
-def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: (q int8 `[out, in]`, scale float32 `[out]`), w ~ q * scale. The scales
-    are rounded to `scale_dtype` first (a kernel that takes bfloat16 scales then computes with exactly these)."""
+def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32, group_size: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8: (q int8 `[out, in]`, scale float32), w ~ q * scale, with one scale per output channel
+    (`[out]`) or, given `group_size`, per group of that many inputs (`[out, in / G]`, GGUF's Q8_0 with G = 32).
+    The scales are rounded to `scale_dtype` first (a kernel that takes bfloat16 scales then computes with exactly
+    these)."""
     check_weight(w)
-    w = w.float()
+    out_features, in_features = w.shape
+    if group_size is not None and (group_size < 1 or in_features % group_size):
+        raise ValueError(f"group size {group_size} must divide the {in_features} inputs of the weight")
+    groups = w.float().view(out_features, -1, group_size or in_features)
     tiny = torch.finfo(scale_dtype).tiny
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=tiny).to(scale_dtype).float().clamp(min=tiny)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
+    scale = (groups.abs().amax(dim=-1) / 127).clamp(min=tiny).to(scale_dtype).float().clamp(min=tiny)
+    q = torch.round(groups / scale[..., None]).clamp(-127, 127).to(torch.int8).view(out_features, in_features)
+    return q, scale if group_size else scale[:, 0]
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() * scale[:, None]
+    """The float32 weight of `quantize_int8`'s output: a scale per row (`[out]`) or per group (`[out, in / G]`)."""
+    if scale.dim() == 1:
+        return q.float() * scale[:, None]
+    out_features, in_features = q.shape
+    return (q.float().view(out_features, scale.shape[1], -1) * scale[..., None]).view(out_features, in_features)
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

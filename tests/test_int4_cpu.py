@@ -35,9 +35,11 @@ def case(n: int, k: int, group: int, seed: int = 0) -> tuple[tuple[torch.Tensor,
 
 
 @functools.cache
-def case8(n: int, k: int, seed: int = 0) -> tuple[tuple[torch.Tensor, torch.Tensor], Int8Weight]:
+def case8(n: int, k: int, group: int | None = None, seed: int = 0) -> tuple[tuple[torch.Tensor, torch.Tensor],
+                                                                            Int8Weight]:
+    """int8 weights with a scale per row, or per `group` inputs."""
     gen = torch.Generator().manual_seed(seed)
-    qs = quantize_int8(torch.randn(n, k, generator=gen) * 0.05 + 0.01)
+    qs = quantize_int8(torch.randn(n, k, generator=gen) * 0.05 + 0.01, group_size=group)
     return qs, pack_int8_cpu(*qs)
 
 
@@ -73,8 +75,8 @@ def emulate(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.T
 
 def emulate8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The int8 kernel's arithmetic in float64: x rounded to int8 per block of 32, the weight exactly q * scale
-    (the integer sums are exact, float32 scales are kept as they are)."""
-    return rounded_activations(x) @ (q.double() * scale.double()[:, None]).T
+    (the integer sums are exact, float32 scales are kept as they are), a scale per row or per group."""
+    return rounded_activations(x) @ dequantize_int8(q.double(), scale.double()).T
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -167,8 +169,9 @@ def test_each_instruction_set(flags, isa, tmp_path, monkeypatch):
         emulated = emulate(x, q, scale, zero) + residual.double()
         got = int4_matmul_cpu(x, w, residual=residual)
         assert (got.double() - emulated).abs().max().item() < TOL_EMULATED * emulated.abs().max().item()
-    for m, n, k in [(1, 40, 576), (7, 16, 128), (5, 24, 1536)]:
-        (q, scale), w = case8(n, k) if n != 24 else full_range8(n, k)
+    for m, n, k, group in [(1, 40, 576, None), (7, 16, 128, None), (5, 24, 1536, None), (3, 40, 576, 32),
+                           (2, 16, 128, 64)]:
+        (q, scale), w = case8(n, k, group) if n != 24 else full_range8(n, k)
         x, residual = activations(m, k), activations(m, n, seed=2)
         x[0] = x[0].abs()  # x's codes all positive: with the rows of -128 and 127, the largest sums
         emulated = emulate8(x, q, scale) + residual.double()
@@ -203,15 +206,19 @@ def test_bad_inputs():
         int4_matmul_cpu(x, w, out=torch.zeros(40, 2).T)
 
 
-# int8 weights, symmetric per output channel (`quantize_int8`). The integer sums are exact and the scales kept in
-# float32, so against the exact product only x's rounding to int8 is left: TOL_INT8_X, as for int4.
-SHAPES8 = ([(m, n, 576) for m in (1, 3, 16, 100) for n in (16, 40, 1000)]
-           + [(m, 40, k) for m in (1, 16) for k in (64, 1536)] + [(100, 1000, 1536), (1, 49152, 576)])
+# int8 weights, symmetric, a scale per output channel or per group of inputs (`quantize_int8`). The integer sums
+# are exact and the scales kept in float32, so against the exact product only x's rounding to int8 is left:
+# TOL_INT8_X, as for int4.
+SHAPES8 = ([(m, n, 576, None) for m in (1, 3, 16, 100) for n in (16, 40, 1000)]
+           + [(m, 40, k, None) for m in (1, 16) for k in (64, 1536)] + [(100, 1000, 1536, None), (1, 49152, 576, None)]
+           + [(m, n, 576, 32) for m in (1, 16) for n in (40, 1000)]
+           + [(m, 40, k, group) for m in (1, 5) for k, group in ((64, 32), (64, 64), (1536, 64), (1536, 512))]
+           + [(100, 1000, 1536, 32)])
 
 
-@pytest.mark.parametrize("m,n,k", SHAPES8)
-def test_int8_matches_dequantized_product(m, n, k):
-    (q, scale), w = case8(n, k)
+@pytest.mark.parametrize("m,n,k,group", SHAPES8)
+def test_int8_matches_dequantized_product(m, n, k, group):
+    (q, scale), w = case8(n, k, group)
     x = activations(m, k)
     got = int8_matmul_cpu(x, w)
     assert got.shape == (m, n) and got.dtype == torch.float32
@@ -258,9 +265,12 @@ def test_agrees_with_torch_int8_kernel():
 def test_int8_packed_layout_and_size():
     (q, scale), w = case8(40, 576)
     assert (w.out_features, w.in_features) == (40, 576)
-    assert w.q.shape == (3, 144, 16, 4) and w.q.dtype == torch.int8 and w.scale.shape == (3, 16)
-    assert torch.equal(w.q[1, 2, 5], q[21, 8:12]) and w.scale[2, 7] == scale[39] and w.scale[2, 8] == 0
-    assert w.nbytes == 48 * (576 + 4)  # rows padded to 48: 1 byte a weight, 4 bytes a row
+    assert w.q.shape == (3, 144, 16, 4) and w.q.dtype == torch.int8 and w.scale.shape == (3, 1, 16)
+    assert torch.equal(w.q[1, 2, 5], q[21, 8:12]) and w.scale[2, 0, 7] == scale[39] and w.scale[2, 0, 8] == 0
+    assert w.group_size == 576 and w.nbytes == 48 * (576 + 4)  # rows padded to 48: 1 byte a weight, 4 bytes a row
+    (q, scale), w = case8(40, 576, 32)
+    assert w.scale.shape == (3, 18, 16) and w.scale[2, 5, 7] == scale[39, 5] and w.group_size == 32
+    assert w.nbytes == 48 * (576 + 4 * 18)  # and 4 bytes a group of 32
 
 
 def test_matmul_unchecked_matches_checked_calls():
@@ -285,6 +295,8 @@ def test_int8_bad_inputs():
         pack_int8_cpu(q.to(torch.int32), scale)
     with pytest.raises(ValueError, match="scale"):
         pack_int8_cpu(q, scale[:-1])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        pack_int8_cpu(*quantize_int8(torch.randn(40, 576), group_size=16))  # groups the blocks of x would split
     with pytest.raises(ValueError, match="float32"):
         int8_matmul_cpu(x.to(torch.bfloat16), w)
     with pytest.raises(ValueError, match=r"\[M, 576\]"):

@@ -48,16 +48,18 @@ class Int4Weight:
 @dataclass(frozen=True)
 class Int8Weight:
     """A `[out_features, in_features]` int8 weight in the kernel's layout (see `int4_matmul.c`): `q` int8
-    `[tiles, in / 4, 16, 4]` (16 rows interleaved) and `scale` float32 `[tiles, 16]`, the output rows padded to a
+    `[tiles, in / 4, 16, 4]` (16 rows interleaved) and `scale` float32 `[tiles, in / G, 16]`, one scale per group
+    of `group_size` inputs of each row (`group_size == in_features`: one per row), the output rows padded to a
     multiple of 16."""
     q: torch.Tensor
     scale: torch.Tensor
+    group_size: int
     out_features: int
     in_features: int
 
     @property
     def nbytes(self) -> int:
-        """Bytes the packed weight occupies: 1 byte per weight plus 4 bytes per padded row."""
+        """Bytes the packed weight occupies: 1 byte per weight plus 4 bytes per group of each padded row."""
         return self.q.nbytes + self.scale.nbytes
 
 
@@ -128,19 +130,24 @@ def pack_int4_cpu(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, grou
 
 
 def pack_int8_cpu(q: torch.Tensor, scale: torch.Tensor) -> Int8Weight:
-    """The kernel's layout of `quantize_int8`'s output (q int8 `[N, K]`, scale `[N]`), w = q * scale, for K a
-    multiple of 32. Any int8 code works (-128 too); the scales are kept in float32."""
+    """The kernel's layout of `quantize_int8`'s output (q int8 `[N, K]`, scale `[N]` for one per row or `[N, K / G]`
+    for groups of G inputs), w = q * scale, for K and G multiples of 32. Any int8 code works (-128 too); the scales
+    are kept in float32."""
     if q.dim() != 2 or q.dtype != torch.int8 or q.device.type != "cpu":
         raise ValueError(f"q must be a 2-D int8 CPU tensor, got {tuple(q.shape)} {q.dtype} on {q.device}")
     n, k = q.shape
     if k == 0 or k % BLOCK:
         raise ValueError(f"the {k} inputs of an int8 weight must be a positive multiple of {BLOCK}")
-    if scale.shape != (n,) or not scale.is_floating_point() or scale.device.type != "cpu":
-        raise ValueError(f"scale must be a floating-point CPU tensor of shape {(n,)}, got {tuple(scale.shape)} "
-                         f"{scale.dtype} on {scale.device}")
+    per_row = scale.dim() == 1
+    groups = 1 if per_row else scale.shape[-1]
+    if (scale.shape[0] != n or scale.dim() not in (1, 2) or not scale.is_floating_point() or scale.device.type != "cpu"
+            or groups == 0 or k % groups or (k // groups) % BLOCK):
+        raise ValueError(f"scale must be a floating-point CPU tensor of shape {(n,)} or {(n, 'K / G')} with G a "
+                         f"multiple of {BLOCK} dividing {k}, got {tuple(scale.shape)} {scale.dtype} on {scale.device}")
     rows = -(-n // ROWS) * ROWS
     codes = _tiles(q.reshape(n, k // 4, 4), rows)  # [tiles, K / 4, 16, 4]: inputs 4c .. 4c + 3 of 16 rows
-    return Int8Weight(codes, _tiles(scale.float()[:, None], rows).view(-1, ROWS), n, k)
+    scales = _tiles(scale.float().reshape(n, groups), rows)  # [tiles, K / G, 16]
+    return Int8Weight(codes, scales, k // groups, n, k)
 
 
 def _check_output(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
@@ -185,7 +192,7 @@ def int8_matmul_cpu(x: torch.Tensor, w: Int8Weight, residual: torch.Tensor | Non
 def _weight_args(w: Int4Weight | Int8Weight) -> tuple:
     """The kernel's leading arguments for weight `w`: bits, data pointers, out/in features, group size."""
     if isinstance(w, Int8Weight):
-        return 8, w.q.data_ptr(), w.scale.data_ptr(), None, w.out_features, w.in_features, w.in_features
+        return 8, w.q.data_ptr(), w.scale.data_ptr(), None, w.out_features, w.in_features, w.group_size
     return 4, w.q.data_ptr(), w.scale.data_ptr(), w.zero.data_ptr(), w.out_features, w.in_features, w.group_size
 
 

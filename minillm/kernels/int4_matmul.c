@@ -5,9 +5,10 @@
  *               q[16t + j, 8c + 4 + i] in its high one, so one 64-byte load gives 4 consecutive codes of 16 rows,
  *               twice: the layout of the integer dot-product instructions, one output row per 32-bit lane
  *         ws,wz [tiles, K / G, 16 rows] float16 scales and zero points
- *   int8  signed codes q with one float scale s per row (w = q * s, symmetric per output channel), laid out as
+ *   int8  signed codes q with a float scale s per group of G inputs (w = q * s, symmetric; G = K: one scale per
+ *         output channel, G = 32: GGUF's Q8_0), laid out as
  *         wq    [tiles, K / 4, 16 rows, 4] int8: byte (c, j, i) holds q[16t + j, 4c + i]
- *         ws    [tiles, 16 rows] float32
+ *         ws    [tiles, K / G, 16 rows] float32
  * x [M, K] float32; residual, out [M, N] float32 (residual may be NULL or equal out). The library is compiled at
  * first use by minillm/kernels/int4_cpu.py.
  * The products are not weight-only: each row of x is quantized to int8 per block of 32 (symmetric, one float scale
@@ -16,7 +17,8 @@
  * compiler finds.
  * int4: the zero points need only the float sum of x over each group: sum w x = s sum q x + z sum x.
  * int8: vpdpbusd wants one operand unsigned, so the kernel flips each code's sign bit (q + 128 in 0..255) and
- * starts the block's integer sum at -128 * (sum of x's codes in the block): exact, and nothing more to read.
+ * starts the block's integer sum at -128 * (sum of x's codes in the block): exact, and nothing more to read. Its
+ * scales multiply once per group: once per row when G = K.
  * Threads split the output rows (tiles of 16); each thread runs every row of x over a tile while the tile is
  * in cache, so a call reads each weight byte from memory once. */
 #include <math.h>
@@ -41,7 +43,7 @@
  * q - C (|q - C| <= 7.5) instead of q (up to 15), which cuts the product's error in half for typical weights. */
 #define CENTER 7.5f
 
-/* A weight in one of the two layouts above; for int8, zero is NULL and g = K. */
+/* A weight in one of the two layouts above; for int8, zero is NULL. */
 typedef struct {
     int bits;
     const void *q, *scale, *zero;
@@ -143,34 +145,39 @@ static inline __attribute__((always_inline)) void tile4(const uint8_t *wq, const
 }
 
 /* The int8 tile: codes with their sign bit flipped (q + 128, unsigned) against x's signed codes; each block's
- * sum starts at -128 * (sum of x's codes) to take the 128s back out. The row scales multiply once at the end. */
+ * sum starts at -128 * (sum of x's codes) to take the 128s back out. The weight scales multiply once per group. */
 static inline __attribute__((always_inline)) void tile8(const int8_t *wq, const float *ws, const Acts *a, int64_t m0,
-                                                        const int mr, const float *residual, float *out, int64_t n,
-                                                        int64_t n0, int64_t ncols) {
+                                                        const int mr, int64_t g, const float *residual, float *out,
+                                                        int64_t n, int64_t n0, int64_t ncols) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[MR];
     for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < a->blocks; b++) {
-        const int8_t *p = wq + b * 8 * 64;
-        for (int v = 0; v < 8; v++) _mm_prefetch((const char *)(p + AHEAD8 * 8 * 64 + 64 * v), _MM_HINT_T0);
-        __m512i w[8];
-        for (int v = 0; v < 8; v++) w[v] = _mm512_xor_si512(_mm512_loadu_si512(p + 64 * v), flip);
-        for (int r = 0; r < mr; r++) {
-            const int8_t *xr = a->q + (m0 + r) * a->k + b * BLOCK;
-            __m512i d0 = _mm512_set1_epi32(-128 * a->isum[(m0 + r) * a->blocks + b]), d1 = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j += 2) {
-                d0 = _mm512_dpbusd_epi32(d0, w[j], _mm512_set1_epi32(load4(xr + 4 * j)));
-                d1 = _mm512_dpbusd_epi32(d1, w[j + 1], _mm512_set1_epi32(load4(xr + 4 * j + 4)));
+    for (int64_t gi = 0; gi < a->groups; gi++) {
+        __m512 gsum[MR];
+        for (int r = 0; r < mr; r++) gsum[r] = _mm512_setzero_ps();
+        for (int64_t b = gi * (g / BLOCK); b < (gi + 1) * (g / BLOCK); b++) {
+            const int8_t *p = wq + b * 8 * 64;
+            for (int v = 0; v < 8; v++) _mm_prefetch((const char *)(p + AHEAD8 * 8 * 64 + 64 * v), _MM_HINT_T0);
+            __m512i w[8];
+            for (int v = 0; v < 8; v++) w[v] = _mm512_xor_si512(_mm512_loadu_si512(p + 64 * v), flip);
+            for (int r = 0; r < mr; r++) {
+                const int8_t *xr = a->q + (m0 + r) * a->k + b * BLOCK;
+                __m512i d0 = _mm512_set1_epi32(-128 * a->isum[(m0 + r) * a->blocks + b]), d1 = _mm512_setzero_si512();
+                for (int j = 0; j < 8; j += 2) {
+                    d0 = _mm512_dpbusd_epi32(d0, w[j], _mm512_set1_epi32(load4(xr + 4 * j)));
+                    d1 = _mm512_dpbusd_epi32(d1, w[j + 1], _mm512_set1_epi32(load4(xr + 4 * j + 4)));
+                }
+                const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
+                gsum[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(a->scale[(m0 + r) * a->blocks + b]), gsum[r]);
             }
-            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
-            acc[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(a->scale[(m0 + r) * a->blocks + b]), acc[r]);
         }
+        const __m512 sw = _mm512_loadu_ps(ws + gi * ROWS);
+        for (int r = 0; r < mr; r++) acc[r] = _mm512_fmadd_ps(gsum[r], sw, acc[r]);
     }
     const __mmask16 mask = (__mmask16)((1u << ncols) - 1);
-    const __m512 sw = _mm512_loadu_ps(ws);
     for (int r = 0; r < mr; r++) {
         const int64_t at = (m0 + r) * n + n0;
-        __m512 y = _mm512_mul_ps(acc[r], sw);
+        __m512 y = acc[r];
         if (residual) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, residual + at));
         _mm512_mask_storeu_ps(out + at, mask, y);
     }
@@ -234,36 +241,41 @@ static inline __attribute__((always_inline)) void tile4(const uint8_t *wq, const
 /* The int8 tile in two halves of 8 rows. vpmaddubsw's pairs of 255 * 127 would saturate 16 bits, so it takes
  * |q| (unsigned) against x's codes carrying q's sign: pairs of at most 2 * 128 * 127, each widened at once. */
 static inline __attribute__((always_inline)) void tile8(const int8_t *wq, const float *ws, const Acts *a, int64_t m0,
-                                                        const int mr, const float *residual, float *out, int64_t n,
-                                                        int64_t n0, int64_t ncols) {
+                                                        const int mr, int64_t g, const float *residual, float *out,
+                                                        int64_t n, int64_t n0, int64_t ncols) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; h++) {
         __m256 acc[MR];
         for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < a->blocks; b++) {
-            const int8_t *p = wq + b * 8 * 64 + 32 * h;
-            if (h == 0)
-                for (int v = 0; v < 8; v++) _mm_prefetch((const char *)(p + AHEAD8 * 8 * 64 + 64 * v), _MM_HINT_T0);
-            __m256i w[8], size[8];
-            for (int v = 0; v < 8; v++) {
-                w[v] = _mm256_loadu_si256((const __m256i *)(p + 64 * v));
-                size[v] = _mm256_abs_epi8(w[v]);
-            }
-            for (int r = 0; r < mr; r++) {
-                const int8_t *xr = a->q + (m0 + r) * a->k + b * BLOCK;
-                __m256i s = _mm256_setzero_si256();
-                for (int j = 0; j < 8; j++) {
-                    const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load4(xr + 4 * j)), w[j]);
-                    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(size[j], xs), ones));
+        for (int64_t gi = 0; gi < a->groups; gi++) {
+            __m256 gsum[MR];
+            for (int r = 0; r < mr; r++) gsum[r] = _mm256_setzero_ps();
+            for (int64_t b = gi * (g / BLOCK); b < (gi + 1) * (g / BLOCK); b++) {
+                const int8_t *p = wq + b * 8 * 64 + 32 * h;
+                if (h == 0)
+                    for (int v = 0; v < 8; v++) _mm_prefetch((const char *)(p + AHEAD8 * 8 * 64 + 64 * v), _MM_HINT_T0);
+                __m256i w[8], size[8];
+                for (int v = 0; v < 8; v++) {
+                    w[v] = _mm256_loadu_si256((const __m256i *)(p + 64 * v));
+                    size[v] = _mm256_abs_epi8(w[v]);
                 }
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a->scale[(m0 + r) * a->blocks + b]),
-                                         acc[r]);
+                for (int r = 0; r < mr; r++) {
+                    const int8_t *xr = a->q + (m0 + r) * a->k + b * BLOCK;
+                    __m256i s = _mm256_setzero_si256();
+                    for (int j = 0; j < 8; j++) {
+                        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load4(xr + 4 * j)), w[j]);
+                        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(size[j], xs), ones));
+                    }
+                    gsum[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
+                                              _mm256_set1_ps(a->scale[(m0 + r) * a->blocks + b]), gsum[r]);
+                }
             }
+            const __m256 sw = _mm256_loadu_ps(ws + gi * ROWS + 8 * h);
+            for (int r = 0; r < mr; r++) acc[r] = _mm256_fmadd_ps(gsum[r], sw, acc[r]);
         }
-        const __m256 sw = _mm256_loadu_ps(ws + 8 * h);
         for (int r = 0; r < mr; r++) {
             float y[8];
-            _mm256_storeu_ps(y, _mm256_mul_ps(acc[r], sw));
+            _mm256_storeu_ps(y, acc[r]);
             for (int64_t j = 8 * h; j < ncols && j < 8 * h + 8; j++) {
                 const int64_t at = (m0 + r) * n + n0 + j;
                 out[at] = y[j - 8 * h] + (residual ? residual[at] : 0.0f);
@@ -310,22 +322,26 @@ static void tile4(const uint8_t *wq, const uint16_t *ws, const uint16_t *wz, con
             out[m * n + n0 + j] = acc[j] + (residual ? residual[m * n + n0 + j] : 0.0f);
     }
 }
-static void tile8(const int8_t *wq, const float *ws, const Acts *a, int64_t m0, const int mr, const float *residual,
-                  float *out, int64_t n, int64_t n0, int64_t ncols) {
+static void tile8(const int8_t *wq, const float *ws, const Acts *a, int64_t m0, const int mr, int64_t g,
+                  const float *residual, float *out, int64_t n, int64_t n0, int64_t ncols) {
     for (int64_t m = m0; m < m0 + mr; m++) {
         float acc[ROWS] = {0.0f};
-        for (int64_t b = 0; b < a->blocks; b++) {
-            const int8_t *xr = a->q + m * a->k + b * BLOCK;
-            int32_t dot[ROWS] = {0};
-            for (int c = 0; c < 8; c++) { /* inputs 4c .. 4c + 3 */
-                const int8_t *p = wq + b * 8 * 64 + c * 64;
-                for (int i = 0; i < 4; i++)
-                    for (int j = 0; j < ROWS; j++) dot[j] += p[4 * j + i] * xr[4 * c + i];
+        for (int64_t gi = 0; gi < a->groups; gi++) {
+            float gsum[ROWS] = {0.0f};
+            for (int64_t b = gi * (g / BLOCK); b < (gi + 1) * (g / BLOCK); b++) {
+                const int8_t *xr = a->q + m * a->k + b * BLOCK;
+                int32_t dot[ROWS] = {0};
+                for (int c = 0; c < 8; c++) { /* inputs 4c .. 4c + 3 */
+                    const int8_t *p = wq + b * 8 * 64 + c * 64;
+                    for (int i = 0; i < 4; i++)
+                        for (int j = 0; j < ROWS; j++) dot[j] += p[4 * j + i] * xr[4 * c + i];
+                }
+                for (int j = 0; j < ROWS; j++) gsum[j] += (float)dot[j] * a->scale[m * a->blocks + b];
             }
-            for (int j = 0; j < ROWS; j++) acc[j] += (float)dot[j] * a->scale[m * a->blocks + b];
+            for (int j = 0; j < ROWS; j++) acc[j] += gsum[j] * ws[gi * ROWS + j];
         }
         for (int64_t j = 0; j < ncols; j++)
-            out[m * n + n0 + j] = acc[j] * ws[j] + (residual ? residual[m * n + n0 + j] : 0.0f);
+            out[m * n + n0 + j] = acc[j] + (residual ? residual[m * n + n0 + j] : 0.0f);
     }
 }
 #endif
@@ -336,12 +352,12 @@ static void rows(const Weight *w, const Acts *a, int64_t t, int64_t m0, int64_t 
     const int64_t n = w->n, n0 = t * ROWS, ncols = n - n0 < ROWS ? n - n0 : ROWS, g = w->g;
     if (w->bits == 8) {
         const int8_t *tq = (const int8_t *)w->q + t * w->k * ROWS;
-        const float *ts = (const float *)w->scale + t * ROWS;
+        const float *ts = (const float *)w->scale + t * a->groups * ROWS;
         switch (mr) {
-        case 4: tile8(tq, ts, a, m0, 4, residual, out, n, n0, ncols); break;
-        case 3: tile8(tq, ts, a, m0, 3, residual, out, n, n0, ncols); break;
-        case 2: tile8(tq, ts, a, m0, 2, residual, out, n, n0, ncols); break;
-        default: tile8(tq, ts, a, m0, 1, residual, out, n, n0, ncols);
+        case 4: tile8(tq, ts, a, m0, 4, g, residual, out, n, n0, ncols); break;
+        case 3: tile8(tq, ts, a, m0, 3, g, residual, out, n, n0, ncols); break;
+        case 2: tile8(tq, ts, a, m0, 2, g, residual, out, n, n0, ncols); break;
+        default: tile8(tq, ts, a, m0, 1, g, residual, out, n, n0, ncols);
         }
         return;
     }
@@ -356,11 +372,11 @@ static void rows(const Weight *w, const Acts *a, int64_t t, int64_t m0, int64_t 
     }
 }
 
-/* out = x W^T (+ residual) for x [m, k] float32 and W [n, k] in one of the layouts above (bits 4 or 8; int4: k a
- * multiple of g, g of 32, int8: k a multiple of 32, wz NULL and g ignored). */
+/* out = x W^T (+ residual) for x [m, k] float32 and W [n, k] in one of the layouts above (bits 4 or 8; k a multiple
+ * of g, g of 32; int8: wz NULL). */
 void quant_matmul_f32(int64_t bits, const void *wq, const void *ws, const void *wz, int64_t n, int64_t k, int64_t g,
                       const float *x, const float *residual, float *out, int64_t m) {
-    const Weight w = {(int)bits, wq, ws, wz, n, k, bits == 8 ? k : g};
+    const Weight w = {(int)bits, wq, ws, wz, n, k, g};
     const int64_t blocks = k / BLOCK, groups = k / w.g;
     float *work = malloc(4 * m * (2 * blocks + 2 * groups) + m * k); /* one allocation: a call is a few us */
     Acts a = {(int8_t *)(work + m * (2 * blocks + 2 * groups)), work, work + m * blocks, work + m * (blocks + groups),

@@ -150,8 +150,10 @@ static inline __attribute__((always_inline)) void tile8(const int8_t *wq, const 
                                                         const int mr, int64_t g, const float *residual, float *out,
                                                         int64_t n, int64_t n0, int64_t ncols) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512 acc[MR];
-    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
+    const __mmask16 mask = (__mmask16)((1u << ncols) - 1);
+    __m512 acc[MR]; /* starting from the residual, which one group a row (per channel) adds in its single rounding */
+    for (int r = 0; r < mr; r++)
+        acc[r] = residual ? _mm512_maskz_loadu_ps(mask, residual + (m0 + r) * n + n0) : _mm512_setzero_ps();
     for (int64_t gi = 0; gi < a->groups; gi++) {
         __m512 gsum[MR];
         for (int r = 0; r < mr; r++) gsum[r] = _mm512_setzero_ps();
@@ -174,13 +176,7 @@ static inline __attribute__((always_inline)) void tile8(const int8_t *wq, const 
         const __m512 sw = _mm512_loadu_ps(ws + gi * ROWS);
         for (int r = 0; r < mr; r++) acc[r] = _mm512_fmadd_ps(gsum[r], sw, acc[r]);
     }
-    const __mmask16 mask = (__mmask16)((1u << ncols) - 1);
-    for (int r = 0; r < mr; r++) {
-        const int64_t at = (m0 + r) * n + n0;
-        __m512 y = acc[r];
-        if (residual) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, residual + at));
-        _mm512_mask_storeu_ps(out + at, mask, y);
-    }
+    for (int r = 0; r < mr; r++) _mm512_mask_storeu_ps(out + (m0 + r) * n + n0, mask, acc[r]);
 }
 
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
@@ -325,7 +321,8 @@ static void tile4(const uint8_t *wq, const uint16_t *ws, const uint16_t *wz, con
 static void tile8(const int8_t *wq, const float *ws, const Acts *a, int64_t m0, const int mr, int64_t g,
                   const float *residual, float *out, int64_t n, int64_t n0, int64_t ncols) {
     for (int64_t m = m0; m < m0 + mr; m++) {
-        float acc[ROWS] = {0.0f};
+        float acc[ROWS] = {0.0f}; /* starting from the residual, as the AVX512 tile does */
+        for (int64_t j = 0; j < ncols && residual; j++) acc[j] = residual[m * n + n0 + j];
         for (int64_t gi = 0; gi < a->groups; gi++) {
             float gsum[ROWS] = {0.0f};
             for (int64_t b = gi * (g / BLOCK); b < (gi + 1) * (g / BLOCK); b++) {
@@ -340,8 +337,7 @@ static void tile8(const int8_t *wq, const float *ws, const Acts *a, int64_t m0, 
             }
             for (int j = 0; j < ROWS; j++) acc[j] += gsum[j] * ws[gi * ROWS + j];
         }
-        for (int64_t j = 0; j < ncols; j++)
-            out[m * n + n0 + j] = acc[j] + (residual ? residual[m * n + n0 + j] : 0.0f);
+        for (int64_t j = 0; j < ncols; j++) out[m * n + n0 + j] = acc[j];
     }
 }
 #endif

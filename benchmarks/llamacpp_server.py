@@ -37,7 +37,7 @@ import httpx
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minillm.bench import _tokenizer, make_workload
+from minillm.bench import load_tokenizer, make_workload
 from minillm.cache_dir import cache_dir
 from minillm.weights import DEFAULT_MODEL, default_gguf_path
 
@@ -206,7 +206,7 @@ def compare(args: argparse.Namespace, binary: Path, folder: Path) -> list[dict]:
     """Start every server, warm each up, then run the rounds; one record per measurement."""
     slots = max(args.concurrency)
     formats = {"minillm int4": "int4", **({"minillm float32": None} if args.float32 else {})}
-    work = make_workload("chat", args.requests, _tokenizer(None), args.seed)  # what each bench run sends
+    work = make_workload("chat", args.requests, load_tokenizer(), args.seed)  # what each bench run sends
     expected = (sum(len(p) for p, _ in work), sum(m for _, m in work))  # prompt and output tokens
     records, load = [], os.getloadavg()[0]  # other work on the machine slows whichever server it meets
     with contextlib.ExitStack() as stack:

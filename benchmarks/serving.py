@@ -47,8 +47,13 @@ class ServerProcess:
                                      cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout], daemon=True).start()
-        line = lines.get(timeout=300)
-        self.url = line.split(" at ")[1].split()[0]
+        try:  # the first line says where it listens; a server that never says so is stopped, not left behind
+            line = lines.get(timeout=300)
+            self.url = line.split(" at ")[1].split()[0]
+        except (queue.Empty, IndexError):
+            self.__exit__()
+            raise RuntimeError(f"the server started by {' '.join(self.proc.args)} never said where it listens "
+                               f"(exit code {self.proc.returncode})") from None
 
     def __enter__(self) -> ServerProcess:
         return self

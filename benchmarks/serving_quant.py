@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.serving import ServerProcess
-from minillm.bench import _tokenizer, make_workload, run_http
+from minillm.bench import load_tokenizer, make_workload, run_http
 from minillm.metrics import summarize
 from minillm.weights import DEFAULT_MODEL
 
@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="PyTorch threads of each server")
     args = parser.parse_args()
-    tok = _tokenizer(None)
+    tok = load_tokenizer()
     work = make_workload("chat", args.requests, tok)
     servers = {name: ServerProcess(args.threads, *flags) for name, flags in FORMATS.items()}
     try:

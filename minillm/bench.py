@@ -434,7 +434,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser, skip=("model",))
 
 
-def _tokenizer(path: str | None):
+def load_tokenizer(path: str | None = None):
     """The tokenizer in a local Hugging Face directory, or the default model's."""
     from transformers import AutoTokenizer
 
@@ -450,7 +450,7 @@ def _workload(args: argparse.Namespace) -> list[tuple[Prompt, int]]:
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.dataset in WORKLOADS:
-        tokenizer = _tokenizer(args.tokenizer)
+        tokenizer = load_tokenizer(args.tokenizer)
         return for_endpoint(make_workload(args.dataset, args.num_prompts or 100, tokenizer, args.seed), args.endpoint,
                             tokenizer)
     work = load_jsonl(args.dataset, args.max_tokens)
@@ -458,7 +458,8 @@ def _workload(args: argparse.Namespace) -> list[tuple[Prompt, int]]:
         raise ValueError(f"{args.dataset} holds {len(work)} requests; --num-prompts asks for {args.num_prompts}")
     work = work[:args.num_prompts]
     ids = any(isinstance(p, list) and p and isinstance(p[0], int) for p, _ in work)
-    return for_endpoint(work, args.endpoint, _tokenizer(args.tokenizer) if args.endpoint == "chat" and ids else None)
+    tokenizer = load_tokenizer(args.tokenizer) if args.endpoint == "chat" and ids else None
+    return for_endpoint(work, args.endpoint, tokenizer)
 
 
 def run_offline(args: argparse.Namespace, work: Sequence[tuple[Prompt, int]], arrivals: Sequence[float]) -> BenchRun:

@@ -7,6 +7,8 @@ second process spinning on one core, as an HTTP front end, a notebook or a compi
 alternate within each round; the table gives the median over rounds and the slowest round.
 
     .venv/bin/python -m benchmarks.threads [--requests 16] [--rounds 2] [--workloads chat rag]
+
+`benchmarks/results/threads.txt` holds the run that chose the command line's default (`minillm.threads`).
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     if cores > 1:
         configs[f"{cores} threads, passive wait"] = {threads.ENV: str(cores), "OMP_WAIT_POLICY": "PASSIVE"}
     print(f"{cores} cores available; {args.requests} requests per run, {args.rounds} rounds; "
-          f"default: {threads.default_num_threads()} thread(s), all cores but one; "
+          f"default: {threads.default_num_threads()} thread(s), "
+          f"{'every core (waiting threads sleep)' if threads.passive_wait() else 'all cores but one'}; "
           "output tok/s, median (slowest round)")
     results: dict[tuple, list[float]] = {}
     for _ in range(args.rounds):

@@ -1,17 +1,23 @@
 """Chapter 8 — the command line: `python -m minillm generate "prompt"` streams a reply to the terminal,
 `serve` starts the OpenAI-compatible server, and `bench` benchmarks one (or, with `--offline`, an engine in
-this process). Every engine flag comes from `EngineArgs`, so the three take the same ones."""
+this process). Every engine flag comes from `EngineArgs`, so the three take the same ones. The command line
+runs PyTorch's OpenMP threads with `OMP_WAIT_POLICY=PASSIVE` unless that is set (chapter 4: sleeping rather than
+spinning threads let an engine use every core without stalling when another process wants one)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from . import bench
-from .engine_args import EngineArgs
-from .llm import LLM
-from .sampling import RequestOutputKind, SamplingParams
-from .serving.launch import add_arguments as add_serve_arguments, serve
+if "torch" not in sys.modules:  # OpenMP reads its wait policy once, when PyTorch loads: choose it first
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # sleeping threads; the engine then takes every core
+
+from . import bench  # noqa: E402 (after the policy)
+from .engine_args import EngineArgs  # noqa: E402
+from .llm import LLM  # noqa: E402
+from .sampling import RequestOutputKind, SamplingParams  # noqa: E402
+from .serving.launch import add_arguments as add_serve_arguments, serve  # noqa: E402
 
 
 def generate(args: argparse.Namespace) -> None:

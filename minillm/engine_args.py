@@ -52,7 +52,9 @@ class EngineArgs:
     pipeline_parallel_size: int = _arg(1, "pipeline stages the layers are split into (chapter 7)")
     enable_expert_parallel: bool = _arg(False, "spread whole experts of an MoE model over the tensor-parallel ranks")
     num_threads: int | None = _arg(None, "PyTorch CPU threads (default: $MINILLM_NUM_THREADS, else a count the "
-                                         "program already set, else all cores but one)", flag="--threads")
+                                         "program already set, else every core where OpenMP's waiting threads "
+                                         "sleep, as under `python -m minillm`, all but one otherwise)",
+                                   flag="--threads")
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",

@@ -1,5 +1,9 @@
 """The engine's contract: clear errors at the boundary, stop rules, seeds, and no KV blocks lost."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -139,6 +143,31 @@ def test_a_thread_count_the_program_chose_stays_chosen(tiny_llama, monkeypatch):
         assert torch.get_num_threads() == chosen
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_command_line_sleeps_waiting_threads_and_then_takes_every_core():
+    """`python -m minillm` sets OMP_WAIT_POLICY=PASSIVE before PyTorch loads (unless it is set), and where waiting
+    threads sleep the default is every core; a program that imports PyTorch with OpenMP spinning keeps one core
+    free. Fresh interpreters: OpenMP reads the policy once."""
+    probe = ("import os, runpy, sys\n"
+             "sys.argv = ['minillm', '--help']\n"
+             "try:\n    runpy.run_module('minillm', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "from minillm import threads\n"
+             "print(os.environ.get('OMP_WAIT_POLICY'), threads.passive_wait(), threads.default_num_threads(),"
+             " threads.available_cores())")
+    plain = "from minillm import threads; print(threads.passive_wait(), threads.default_num_threads())"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", threads.ENV)}
+
+    def run(code, **extra):
+        done = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                              timeout=120, check=True)
+        return done.stdout.splitlines()[-1].split()  # the last line: after --help's text
+
+    cores = threads.available_cores()
+    assert run(probe) == ["PASSIVE", "True", str(cores), str(cores)]
+    assert run(probe, OMP_WAIT_POLICY="ACTIVE")[:2] == ["ACTIVE", "False"]  # a policy the user set is kept
+    assert run(plain) == ["False", str(max(1, cores - 1))]
+    assert run(plain, OMP_WAIT_POLICY="passive") == ["True", str(cores)]
 
 
 def test_threads_from_the_environment_and_a_clean_warm_up(tiny_llama, monkeypatch):

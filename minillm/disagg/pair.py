@@ -53,8 +53,8 @@ class PDPair:
                  decode_threads: int | None = None, hold_timeout: float = 60.0, start_timeout: float = 300.0,
                  **kwargs):
         """`PDPair(EngineArgs(...))` or `PDPair(path, device="cpu", ...)`: both instances get these engine arguments;
-        threads are `num_threads` (default: all cores but one) split evenly unless given per instance. A prefill's
-        blocks are freed if no pull comes within `hold_timeout` seconds."""
+        threads are `num_threads` (default: `threads.engine_threads()`) split evenly unless given per instance. A
+        prefill's blocks are freed if no pull comes within `hold_timeout` seconds."""
         from transformers import AutoTokenizer
 
         args = model if isinstance(model, EngineArgs) else EngineArgs(model=model, **kwargs)

@@ -56,9 +56,10 @@ def use_c_kernel() -> bool:
     return int4_cpu_available() and int4_cpu_isa() != "scalar"
 
 
-def _fits_c_kernel(w: torch.Tensor) -> bool:
-    """Whether an int8 or int4 weight is stored for the C kernel: on a CPU that runs it, with inputs in blocks of 32."""
-    return w.is_cpu and use_c_kernel() and w.shape[1] % 32 == 0
+def _fits_c_kernel(w: torch.Tensor, group_size: int | None = None) -> bool:
+    """Whether an int8 or int4 weight is stored for the C kernel: on a CPU that runs it, with inputs (and the
+    groups sharing a scale, if any) in blocks of 32."""
+    return w.is_cpu and use_c_kernel() and w.shape[1] % 32 == 0 and (group_size or 32) % 32 == 0
 
 
 def _c_matmul(kernel: Int4Weight | Int8Weight, x: torch.Tensor) -> torch.Tensor:
@@ -132,7 +133,7 @@ class Int8(WeightFormat):
 
     def store(self, w: torch.Tensor) -> Stored:
         q, scale = self._rounded(w)
-        if _fits_c_kernel(w) and (self.group_size or 32) % 32 == 0:
+        if _fits_c_kernel(w, self.group_size):
             packed = pack_int8_cpu(q, scale)
             return packed.q, packed.scale, None, packed
         if self.group_size is not None:
@@ -142,8 +143,8 @@ class Int8(WeightFormat):
     def matmul(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         if layer.kernel is not None:
             return _c_matmul(layer.kernel, x)
-        if self.group_size is not None:
-            return F.linear(x, self.dequantize(layer.q, layer.scale, None).to(x.dtype))
+        if self.group_size is not None:  # no kernel takes int8 groups here: dequantized, as fp8
+            return F.linear(x, self.weight(layer).to(x.dtype))
         if not x.is_cpu:
             from .kernels.quant_matmul import int8_matmul
 
@@ -181,7 +182,7 @@ class Int4(WeightFormat):
         if self.group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group size {self.group_size} is not one of {INT4_GROUP_SIZES}")
         q, scale, zero = quantize_int4(w, self.group_size)
-        if _fits_c_kernel(w):
+        if _fits_c_kernel(w, self.group_size):
             packed = pack_int4_cpu(q, scale, zero, self.group_size)
             return packed.q, packed.scale, packed.zero, packed
         if w.is_cpu:  # PyTorch's packed layout, the zero folded into its scales_and_zeros

@@ -138,8 +138,7 @@ def pack_int8_cpu(q: torch.Tensor, scale: torch.Tensor) -> Int8Weight:
     n, k = q.shape
     if k == 0 or k % BLOCK:
         raise ValueError(f"the {k} inputs of an int8 weight must be a positive multiple of {BLOCK}")
-    per_row = scale.dim() == 1
-    groups = 1 if per_row else scale.shape[-1]
+    groups = 1 if scale.dim() == 1 else scale.shape[-1]
     if (scale.shape[0] != n or scale.dim() not in (1, 2) or not scale.is_floating_point() or scale.device.type != "cpu"
             or groups == 0 or k % groups or (k // groups) % BLOCK):
         raise ValueError(f"scale must be a floating-point CPU tensor of shape {(n,)} or {(n, 'K / G')} with G a "

@@ -8,7 +8,7 @@ engine step is followed by one bare step, so a noisy neighbour slows both alike;
 
     .venv/bin/python -m benchmarks.decode_roofline [--rounds 5] [--tokens 32] [--threads 1] [--profile]
 
-With `MINILLM_HUGE_PAGES=0` in the environment the weights stay in 4 KiB pages (chapter 2 explains the difference).
+With `MINILLM_HUGE_PAGES=1` in the environment the weights go into 2 MiB pages (chapter 2 measures the difference).
 """
 
 from __future__ import annotations

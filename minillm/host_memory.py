@@ -1,10 +1,12 @@
 """Chapter 2 — CPU memory backed by 2 MiB pages, for the weights that every decode step streams through.
 
 A batch-1 decode step on a CPU reads every weight once: with the usual 4 KiB pages that is a page
-translation for every 4 KiB of weights, which evicts the TLB entries of everything else, so each small
-operation between two matrix-vector products starts by walking page tables again. Asking the kernel for
-transparent huge pages (`madvise(MADV_HUGEPAGE)`) cuts the translations 512-fold (chapter 2 measures the
-effect). Where the platform offers no huge pages this is plain memory; `MINILLM_HUGE_PAGES=0` turns it off.
+translation for every 4 KiB of weights. Asking the kernel for transparent huge pages (`madvise(MADV_HUGEPAGE)`)
+cuts the translations 512-fold. Chapter 2 measures what that buys, and the engine leaves it off unless
+`MINILLM_HUGE_PAGES=1`: a float32 step on a CPU reads oneDNN's packed copies of the weights (a quantized one, its
+packed codes), which live outside this block, and in virtual machines that back guest memory lazily, faulting
+2 MiB pages in can stall a load now and then. Where the platform offers no huge pages this is plain
+memory.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import torch
 
 
 def use_huge_pages() -> bool:
-    """Whether CPU weights go into huge-page memory (the default; `MINILLM_HUGE_PAGES=0` says no)."""
-    return os.environ.get("MINILLM_HUGE_PAGES", "1") != "0"
+    """Whether CPU weights go into huge-page memory: only when `MINILLM_HUGE_PAGES=1` asks for it."""
+    return os.environ.get("MINILLM_HUGE_PAGES", "0") == "1"
 
 
 def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -12,6 +12,9 @@ calls per decode step cost a measurable share of the time left over after the we
 
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,6 +29,9 @@ from .parallel.comm import Comm
 from .parallel.state import ParallelContext
 from .parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_logits,
                                        pad_vocab)
+
+if TYPE_CHECKING:
+    from .kernels.decode_step import FusedDecodeStep
 
 
 class Attention(nn.Module):
@@ -113,6 +119,9 @@ class CausalLM(nn.Module):
         self.lm_head = (ColumnParallelLinear(config.hidden_size, [pad_vocab(config.vocab_size, tp)], tp)
                         if last and not tied else None)
         self.packed_head: torch.Tensor | None = None  # the tied head's oneDNN-packed copy (see pack_weights)
+        # decode-only steps as one C call where the layers allow it (`fused_decode`); MINILLM_FUSED_STEP=0: never
+        self.use_fused_step = os.environ.get("MINILLM_FUSED_STEP", "1") != "0"
+        self._fused: tuple | None = None  # (cache, first layer's qkv module, step or None) of the last build
 
     def pack_weights(self) -> None:
         """Give every linear layer, and a tied head, a oneDNN-packed copy of its weight (CPU, after loading).
@@ -126,11 +135,26 @@ class CausalLM(nn.Module):
             self.packed_head = pack_weight(self.embed_tokens.weight)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """This rank's decoder layers over hidden states `x` `[tokens, hidden]` (its cache's layers in order)."""
+        """This rank's decoder layers over hidden states `x` `[tokens, hidden]` (its cache's layers in order): a
+        decode-only step in one C call where `fused_decode` has one, else layer by layer."""
+        if meta.prefill is None and meta.use_cpu_kernel and self.use_fused_step:
+            step = self.fused_decode(kv_cache)
+            if step is not None:
+                return step(x.contiguous(), positions, meta.slot_mapping, meta.block_tables, meta.context_lens)
         rope = self.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer.forward(rope, x, kv_cache.layer(i), meta)
         return x
+
+    def fused_decode(self, kv_cache) -> FusedDecodeStep | None:
+        """This model's decode step as one C call over `kv_cache` (`kernels/decode_step.py`), or None where it does
+        not apply. It needs every layer's four products in the C kernel's int4/int8 layouts (a model quantized on
+        a CPU with that kernel), without biases, a dense MLP, the whole model in this process, a float32 cache, and
+        the C kernels built. Built at the first call for a cache, and again when the layers were replaced since."""
+        qkv = self.layers[0].self_attn.qkv_proj
+        if self._fused is None or self._fused[0] is not kv_cache or self._fused[1] is not qkv:
+            self._fused = (kv_cache, qkv, _fused_decode_step(self, kv_cache))
+        return self._fused[2]
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache,
                       meta: AttentionMetadata) -> torch.Tensor:
@@ -168,6 +192,26 @@ class CausalLM(nn.Module):
         """
         x = self.run_layers(self.embed_tokens(input_ids), positions, kv_cache, meta)
         return self.final_logits(x, meta, logits_indices)
+
+
+def _fused_decode_step(model: CausalLM, kv_cache) -> FusedDecodeStep | None:
+    """`CausalLM.fused_decode`'s step, built from the model's layers, or None when they do not allow one."""
+    from .kernels.decode_step import FusedDecodeStep, LayerWeights, decode_step_available
+
+    products = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                for layer in model.layers]
+    if (model.ctx is not None or kv_cache.quantized or kv_cache.k.dtype != torch.float32
+            or not all(isinstance(layer.mlp, MLP) for layer in model.layers)
+            or not all(getattr(p, "kernel", None) is not None and p.bias is None for four in products for p in four)
+            or model.rotary.cos.dtype != torch.float32 or not decode_step_available()):
+        return None
+    layers = [LayerWeights(*(p.kernel for p in four), layer.input_layernorm.weight.detach(),
+                           layer.post_attention_layernorm.weight.detach())
+              for four, layer in zip(products, model.layers)]
+    caches = [kv_cache.layer(i)[:2] for i in range(len(model.layers))]
+    attn = model.layers[0].self_attn
+    return FusedDecodeStep(layers, caches, model.rotary.cos, model.rotary.sin_signed, model.config.rms_norm_eps,
+                           attn.num_heads, attn.num_kv_heads)
 
 
 def load_model(path, config: ModelConfig, dtype: torch.dtype, device: torch.device,

@@ -130,7 +130,8 @@ def test_installed_wheel_builds_its_kernels_and_reads_only_itself():
         tmp = Path(tmp)
         wheel = build_wheel(tmp)
         names = zipfile.ZipFile(wheel).namelist()
-        for data in ("minillm/kernels/paged_decode.c", "minillm/kernels/int4_matmul.c", "minillm/data/eval_text.md"):
+        for data in ("minillm/kernels/paged_decode.c", "minillm/kernels/int4_matmul.c", "minillm/kernels/decode_step.c",
+                     "minillm/data/eval_text.md"):
             assert data in names, f"{data} is not in the wheel"
         python = fresh_venv(tmp / "venv", wheel)
         build_tokenizer(tmp / "tokenizer")

@@ -17,6 +17,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -31,10 +32,19 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
-def _build(source: Path, directory: Path) -> Path:
-    """Compile and link the C file `source` into `directory` (named by a hash of source and flags); its path."""
-    compiler = os.environ.get("CC", "cc")
+def _source_text(source: Path) -> bytes:
+    """The C file's text followed by that of the files it includes with quotes (so editing either rebuilds it)."""
     text = source.read_bytes()
+    for name in re.findall(rb'^#include "([^"]+)"', text, re.MULTILINE):
+        text += _source_text(source.parent / name.decode())
+    return text
+
+
+def _build(source: Path, directory: Path) -> Path:
+    """Compile and link the C file `source` into `directory` (named by a hash of its text, the text of what it
+    includes with quotes, and the flags); its path."""
+    compiler = os.environ.get("CC", "cc")
+    text = _source_text(source)
     key = hashlib.sha256(text + " ".join([compiler, *COMPILE_FLAGS, *LINK_FLAGS]).encode()).hexdigest()[:16]
     library = directory / f"{source.stem}_{key}.so"
     if library.exists():

@@ -368,31 +368,46 @@ static void rows(const Weight *w, const Acts *a, int64_t t, int64_t m0, int64_t 
     }
 }
 
+/* x quantized for m rows of k inputs whose weight groups are g wide, in one allocation (`acts_free` frees it). */
+static Acts acts_new(int64_t m, int64_t k, int64_t g) {
+    const int64_t blocks = k / BLOCK, groups = k / g;
+    float *work = malloc(4 * m * (2 * blocks + 2 * groups) + m * k); /* one allocation: a call is a few us */
+    const Acts a = {(int8_t *)(work + m * (2 * blocks + 2 * groups)), work, work + m * blocks,
+                    work + m * (blocks + groups), (int32_t *)(work + m * (blocks + 2 * groups)), k, blocks, groups};
+    return a;
+}
+
+static void acts_free(Acts *a) { free(a->scale); } /* the start of the allocation */
+
+/* Thread `id` of `threads`: its share of out = x W^T (+ residual), x already quantized into a. Work items are
+ * (tile of 16 output rows, chunk of x's rows), split in contiguous ranges by hand: a team of one then costs no more
+ * than a plain call (an omp for costs a microsecond). */
+static void products(const Weight *w, const Acts *a, const float *residual, float *out, int64_t m, int64_t id,
+                     int64_t threads) {
+    const int64_t tiles = (w->n + ROWS - 1) / ROWS, chunks = (m + MCHUNK - 1) / MCHUNK, items = tiles * chunks;
+    for (int64_t item = items * id / threads; item < items * (id + 1) / threads; item++) {
+        const int64_t t = item / chunks, c = item % chunks, end = (c + 1) * MCHUNK < m ? (c + 1) * MCHUNK : m;
+        for (int64_t m0 = c * MCHUNK; m0 < end; m0 += MR) rows(w, a, t, m0, end - m0 < MR ? end - m0 : MR, residual, out);
+    }
+}
+
 /* out = x W^T (+ residual) for x [m, k] float32 and W [n, k] in one of the layouts above (bits 4 or 8; k a multiple
  * of g, g of 32; int8: wz NULL). */
 void quant_matmul_f32(int64_t bits, const void *wq, const void *ws, const void *wz, int64_t n, int64_t k, int64_t g,
                       const float *x, const float *residual, float *out, int64_t m) {
     const Weight w = {(int)bits, wq, ws, wz, n, k, g};
-    const int64_t blocks = k / BLOCK, groups = k / w.g;
-    float *work = malloc(4 * m * (2 * blocks + 2 * groups) + m * k); /* one allocation: a call is a few us */
-    Acts a = {(int8_t *)(work + m * (2 * blocks + 2 * groups)), work, work + m * blocks, work + m * (blocks + groups),
-              (int32_t *)(work + m * (blocks + 2 * groups)), k, blocks, groups};
-    const int64_t tiles = (n + ROWS - 1) / ROWS, chunks = (m + MCHUNK - 1) / MCHUNK;
+    Acts a = acts_new(m, k, g);
     /* A small x is quantized before the threads start: a barrier between the two phases costs more than that. */
     const int64_t serial = m * k <= SERIAL_QUANTIZE;
-    for (int64_t i = 0; serial && i < m; i++) quantize_row(&a, x + i * k, i, w.g);
+    for (int64_t i = 0; serial && i < m; i++) quantize_row(&a, x + i * k, i, g);
 #pragma omp parallel
-    { /* split by hand: a team of one then costs no more than a plain call (an omp for costs a microsecond) */
-        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num(), items = tiles * chunks;
+    {
+        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
         if (!serial) {
-            for (int64_t i = id; i < m; i += threads) quantize_row(&a, x + i * k, i, w.g);
+            for (int64_t i = id; i < m; i += threads) quantize_row(&a, x + i * k, i, g);
 #pragma omp barrier
         }
-        for (int64_t item = items * id / threads; item < items * (id + 1) / threads; item++) {
-            const int64_t t = item / chunks, c = item % chunks, end = (c + 1) * MCHUNK < m ? (c + 1) * MCHUNK : m;
-            for (int64_t m0 = c * MCHUNK; m0 < end; m0 += MR)
-                rows(&w, &a, t, m0, end - m0 < MR ? end - m0 : MR, residual, out);
-        }
+        products(&w, &a, residual, out, m, id, threads);
     }
-    free(work);
+    acts_free(&a);
 }

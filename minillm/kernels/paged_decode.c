@@ -14,7 +14,7 @@
 #include <stdlib.h>
 
 /* Slots to prefetch ahead: blocks lie anywhere in the pool, so the hardware cannot guess the next. */
-#define AHEAD 4
+#define AHEAD_SLOTS 4
 
 /* The pool slot of a sequence's token t: its block from the table, then its place in the block. */
 static inline int64_t slot(const int32_t *table, int64_t t, int64_t block_size) {
@@ -45,38 +45,43 @@ static void softmax_rows(float *scores, float *os, int64_t num_heads, int64_t le
     }
 }
 
+/* One sequence over a float32 pool: its query heads `qs` [heads, dim] against the first `len` cached tokens, into
+ * `os` [heads, dim], with `scores` [heads, len] as scratch. */
+static void decode_seq_f32(const float *qs, const float *k_cache, const float *v_cache, const int32_t *table,
+                           int64_t len, float *os, float *scores, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, float scale) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t row = num_kv_heads * head_dim; /* floats per cache slot: every KV head of one token */
+    /* Slot by slot, all heads at once: each slot's row is read whole and in order, which the hardware prefetcher
+     * streams from memory; a pass per head would read it in strided pieces, which it follows poorly. */
+    for (int64_t t = 0; t < len; t++) {
+        if (t + AHEAD_SLOTS < len) prefetch_bytes(k_cache + slot(table, t + AHEAD_SLOTS, block_size) * row, row * 4);
+        const float *k = k_cache + slot(table, t, block_size) * row;
+        for (int64_t h = 0; h < num_heads; h++)
+            scores[h * len + t] = scale * dot(qs + h * head_dim, k + (h / group) * head_dim, head_dim);
+    }
+    softmax_rows(scores, os, num_heads, len, head_dim);
+    for (int64_t t = 0; t < len; t++) {
+        if (t + AHEAD_SLOTS < len) prefetch_bytes(v_cache + slot(table, t + AHEAD_SLOTS, block_size) * row, row * 4);
+        const float *v = v_cache + slot(table, t, block_size) * row;
+        for (int64_t h = 0; h < num_heads; h++) {
+            const float p = scores[h * len + t], *vh = v + (h / group) * head_dim;
+            float *o = os + h * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) o[d] += p * vh[d];
+        }
+    }
+}
+
 void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
                       const int32_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
                       int64_t q_stride) {
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t row = num_kv_heads * head_dim; /* floats per cache slot: every KV head of one token */
 #pragma omp parallel for schedule(dynamic)
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t len = context_lens[s];
-        const int32_t *table = block_tables + s * max_blocks;
-        const float *qs = q + s * q_stride;
-        float *os = out + s * num_heads * head_dim;
         float *scores = malloc(sizeof(float) * num_heads * len); /* [heads, len] */
-        /* Slot by slot, all heads at once: each slot's row is read whole and in order, which the hardware
-         * prefetcher streams from memory; a pass per head would read it in strided pieces, which it follows
-         * poorly. */
-        for (int64_t t = 0; t < len; t++) {
-            if (t + AHEAD < len) prefetch_bytes(k_cache + slot(table, t + AHEAD, block_size) * row, row * 4);
-            const float *k = k_cache + slot(table, t, block_size) * row;
-            for (int64_t h = 0; h < num_heads; h++)
-                scores[h * len + t] = scale * dot(qs + h * head_dim, k + (h / group) * head_dim, head_dim);
-        }
-        softmax_rows(scores, os, num_heads, len, head_dim);
-        for (int64_t t = 0; t < len; t++) {
-            if (t + AHEAD < len) prefetch_bytes(v_cache + slot(table, t + AHEAD, block_size) * row, row * 4);
-            const float *v = v_cache + slot(table, t, block_size) * row;
-            for (int64_t h = 0; h < num_heads; h++) {
-                const float p = scores[h * len + t], *vh = v + (h / group) * head_dim;
-                float *o = os + h * head_dim;
-                for (int64_t d = 0; d < head_dim; d++) o[d] += p * vh[d];
-            }
-        }
+        decode_seq_f32(q + s * q_stride, k_cache, v_cache, block_tables + s * max_blocks, len,
+                       out + s * num_heads * head_dim, scores, num_heads, num_kv_heads, head_dim, block_size, scale);
         free(scores);
     }
 }
@@ -90,7 +95,7 @@ static inline __attribute__((always_inline)) void decode_seq_i8(
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim;
     for (int64_t t = 0; t < len; t++) {
-        if (t + AHEAD < len) prefetch_bytes(k_cache + slot(table, t + AHEAD, block_size) * row, row);
+        if (t + AHEAD_SLOTS < len) prefetch_bytes(k_cache + slot(table, t + AHEAD_SLOTS, block_size) * row, row);
         const int64_t i = slot(table, t, block_size);
         const int8_t *k = k_cache + i * row;
         const float *ks = k_scale + i * num_kv_heads;
@@ -103,7 +108,7 @@ static inline __attribute__((always_inline)) void decode_seq_i8(
     }
     softmax_rows(scores, os, num_heads, len, head_dim);
     for (int64_t t = 0; t < len; t++) {
-        if (t + AHEAD < len) prefetch_bytes(v_cache + slot(table, t + AHEAD, block_size) * row, row);
+        if (t + AHEAD_SLOTS < len) prefetch_bytes(v_cache + slot(table, t + AHEAD_SLOTS, block_size) * row, row);
         const int64_t i = slot(table, t, block_size);
         const int8_t *v = v_cache + i * row;
         const float *vs = v_scale + i * num_kv_heads;

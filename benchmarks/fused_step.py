@@ -1,0 +1,99 @@
+"""The fused decode step of a quantized model on a CPU against the same model stepped layer by layer, both against
+the bare weight products of their batch, in one run.
+
+For each format and batch size, that many requests with distinct random prompts of `--context` tokens are
+prefilled; then rounds alternate the two ways of stepping the same engine (the fused step, `decode_step.c`, and
+the modules of `model.py`, `model.use_fused_step = False`), each engine step followed at once by one bare step
+(`matvec_step(model, batch)`: the model's own products and head for `[batch, in]` inputs, nothing else).
+Reported: median ms per step, bare/step (the paired median of the per-step ratios, with its quartiles) and the
+fused step's speed-up, which is layer-by-layer time over fused time, paired by round.
+
+    .venv/bin/python -m benchmarks.fused_step [--formats int4 int8] [--batches 1 16 32] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a file: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.decode_batch import paired_steps, prefill
+from minillm import LLM, threads
+from minillm.roofline import matvec_step
+
+TARGET = 0.85  # bare/step of the fused step at batch 16 and 32
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.fused_step", description=__doc__.splitlines()[0])
+    parser.add_argument("--formats", nargs="+", default=["int4", "int8"], choices=["int4", "int8"])
+    parser.add_argument("--group-size", type=int, default=None, help="inputs per scale (default: the format's)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32])
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=6, help="paired decode steps per way and round")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="PyTorch CPU threads (default 1; 0 = the engine's default)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        os.environ[threads.ENV] = str(args.threads)  # the engine sets it when built
+    steps_per_request = 2 * args.rounds * (args.steps + 2) + max(args.batches) * args.context // 2048 + 8
+    blocks = int(1.1 * max(args.batches) * (args.context + steps_per_request) / 16) + 64
+    print(f"{torch.get_num_threads() if not args.threads else args.threads} threads; context {args.context}; "
+          f"{args.rounds} rounds of {args.steps} paired steps per way; ms per step (medians)")
+    print(f"{'format':>6} {'batch':>5} {'fused':>7} {'modules':>8} {'bare':>7} {'bare/fused':>17} "
+          f"{'bare/modules':>17} {'speed-up':>8} {'fused tok/s':>11}")
+    misses = []
+    for fmt in args.formats:
+        llm = LLM(quantization=fmt, quantization_group_size=args.group_size, max_num_seqs=max(args.batches),
+                  enable_prefix_caching=False, num_kv_blocks=blocks)
+        engine, gen = llm.engine, torch.Generator().manual_seed(0)
+        model = engine.model
+        if model.fused_decode(engine.kv_cache) is None:
+            print(f"{fmt}: no fused step here (the C kernels need a vector path and a float32 cache)")
+            continue
+        for batch in args.batches:
+            ids = prefill(engine, batch, args.context, gen)
+            bare = matvec_step(model, batch)
+            times = {True: ([], []), False: ([], [])}  # fused? -> (step times, bare times)
+            speedups = []
+            for r in range(args.rounds):
+                order = (True, False) if r % 2 == 0 else (False, True)
+                medians = {}
+                for fused in order:
+                    model.use_fused_step = fused
+                    paired_steps(engine, bare, 1)  # the first step after a switch warms the caches
+                    step_s, bare_s = paired_steps(engine, bare, args.steps)
+                    times[fused][0].extend(step_s)
+                    times[fused][1].extend(bare_s)
+                    medians[fused] = statistics.median(step_s)
+                speedups.append(medians[False] / medians[True])
+            model.use_fused_step = True
+            for rid in ids:
+                engine.abort(rid)
+            cells = []
+            for fused in (True, False):
+                ratios = [b / e for e, b in zip(*times[fused])]
+                q = statistics.quantiles(ratios, n=4)
+                cells.append(f"{statistics.median(ratios):5.2f} ({q[0]:.2f}-{q[2]:.2f})")
+            fused_ms, modules_ms = (1e3 * statistics.median(times[f][0]) for f in (True, False))
+            bare_ms = 1e3 * statistics.median(times[True][1] + times[False][1])
+            print(f"{fmt:>6} {batch:5d} {fused_ms:7.2f} {modules_ms:8.2f} {bare_ms:7.2f} {cells[0]:>17} "
+                  f"{cells[1]:>17} {statistics.median(speedups):7.2f}x {1e3 * batch / fused_ms:11.1f}", flush=True)
+            ratio = statistics.median(b / e for e, b in zip(*times[True]))
+            if batch in (16, 32) and ratio < TARGET:
+                misses.append(f"{fmt} batch {batch}")
+        del llm, engine, model
+    print(f"target bare/fused >= {TARGET} at batch 16 and 32: {'met' if not misses else f'missed: {misses}'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+/* A quantized model's whole decode step in one call: for a batch of sequences that each decode one token, every
+ * layer's RMSNorm, products, RoPE, cache store, attention, SwiGLU and skip connections, then back to Python once.
+ * minillm/model.py is the readable reference, operation by operation; this file does the same arithmetic without
+ * a trip through Python and PyTorch's dispatcher between operations, and fuses each operation that feeds a product
+ * into the rounding of that product's input to int8 (RMSNorm, SiLU times up, attention's output), and RoPE into
+ * the cache store.
+ *   weights  int4_matmul.c's layouts (int4 in groups, or int8 per channel or in groups)
+ *   cache    a float32 paged pool per layer, [blocks, block_size, kv_heads, head_dim] for keys and for values
+ *   x        [m, hidden] float32, the embeddings on entry and the last layer's output on return (in place)
+ * One OpenMP team runs the whole step: its threads split each product's tiles of output rows (every weight byte is
+ * read once), the rows of x and the sequences of attention, with a barrier between phases. Built by
+ * minillm/kernels/decode_step.py from this file and the two kernels it includes, compiled together so that the
+ * kernels' inner functions inline here as they do in their own libraries. */
+#include "int4_matmul.c"
+#include "paged_decode.c"
+
+/* One decoder layer: its four products, its two RMSNorm gains and its cache pools. */
+typedef struct {
+    Weight qkv, o, gate_up, down;
+    const float *input_norm, *post_norm;
+    float *k_cache, *v_cache;
+} Layer;
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, block_size;
+    float eps, scale; /* RMSNorm's epsilon; attention's 1 / sqrt(head_dim) */
+    const Layer *layers;
+    const float *cos, *sin_signed; /* [positions, head_dim]: RoPE's tables, the sine's first half negated */
+} Model;
+
+/* out = x / sqrt(mean(x^2) + eps) * gain, one row of d values. */
+static void rms_norm_row(const float *x, const float *gain, float eps, int64_t d, float *out) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < d; i++) sum += x[i] * x[i];
+    const float r = 1.0f / sqrtf(sum / (float)d + eps);
+    for (int64_t i = 0; i < d; i++) out[i] = x[i] * r * gain[i];
+}
+
+/* RoPE on one head in place: x * cos + (x rolled by half a head) * signed sin. */
+static void rope_head(float *x, const float *cos, const float *sin_signed, int64_t d) {
+    float rolled[d];
+    for (int64_t i = 0; i < d; i++) rolled[i] = x[(i + d / 2) % d];
+    for (int64_t i = 0; i < d; i++) x[i] = x[i] * cos[i] + rolled[i] * sin_signed[i];
+}
+
+/* out = silu(gate) * up for one row: gate and up side by side in `gu` [2n]. */
+static void silu_mul_row(const float *gu, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[n + i];
+}
+
+/* x [m, hidden] through every layer. positions and slots [m] are each new token's position and cache slot;
+ * block_tables [m, max_blocks] and context_lens [m] (int32) each sequence's blocks and length after this token. */
+void decode_step_f32(const Model *md, float *x, int64_t m, const int64_t *positions, const int64_t *slots,
+                     const int32_t *block_tables, const int32_t *context_lens, int64_t max_blocks) {
+    const Layer *first = md->layers;
+    const int64_t hidden = md->hidden, heads = md->heads, kv_heads = md->kv_heads, d = md->head_dim;
+    const int64_t q_width = heads * d, kv_width = kv_heads * d, qkv_width = first->qkv.n;
+    const int64_t gu_width = first->gate_up.n, inter = gu_width / 2;
+    const int64_t widest = hidden > inter ? (hidden > q_width ? hidden : q_width) : (inter > q_width ? inter : q_width);
+    Acts to_qkv = acts_new(m, hidden, first->qkv.g), to_o = acts_new(m, q_width, first->o.g);
+    Acts to_gu = acts_new(m, hidden, first->gate_up.g), to_down = acts_new(m, inter, first->down.g);
+    float *row = malloc(sizeof(float) * m * widest), *qkv = malloc(sizeof(float) * m * qkv_width);
+    float *att = malloc(sizeof(float) * m * q_width), *gu = malloc(sizeof(float) * m * gu_width);
+#pragma omp parallel
+    {
+        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+        for (int64_t l = 0; l < md->num_layers; l++) {
+            const Layer *L = md->layers + l;
+            for (int64_t i = id; i < m; i += threads) { /* input RMSNorm, rounded to int8 for the qkv product */
+                rms_norm_row(x + i * hidden, L->input_norm, md->eps, hidden, row + i * widest);
+                quantize_row(&to_qkv, row + i * widest, i, L->qkv.g);
+            }
+#pragma omp barrier
+            products(&L->qkv, &to_qkv, NULL, qkv, m, id, threads);
+#pragma omp barrier
+            for (int64_t i = id; i < m; i += threads) { /* RoPE on q and k, then k and v into their slots */
+                float *h = qkv + i * qkv_width;
+                const float *cos = md->cos + positions[i] * d, *sin = md->sin_signed + positions[i] * d;
+                for (int64_t j = 0; j < heads + kv_heads; j++) rope_head(h + j * d, cos, sin, d);
+                memcpy(L->k_cache + slots[i] * kv_width, h + q_width, sizeof(float) * kv_width);
+                memcpy(L->v_cache + slots[i] * kv_width, h + q_width + kv_width, sizeof(float) * kv_width);
+            }
+#pragma omp barrier
+#pragma omp for schedule(dynamic)
+            for (int64_t i = 0; i < m; i++) { /* attention, a sequence at a time; then its output rounded to int8 */
+                float *scores = malloc(sizeof(float) * heads * context_lens[i]);
+                decode_seq_f32(qkv + i * qkv_width, L->k_cache, L->v_cache, block_tables + i * max_blocks,
+                               context_lens[i], att + i * q_width, scores, heads, kv_heads, d, md->block_size,
+                               md->scale);
+                free(scores);
+                quantize_row(&to_o, att + i * q_width, i, L->o.g);
+            } /* (an omp for ends in a barrier) */
+            products(&L->o, &to_o, x, x, m, id, threads); /* the skip connection added in the product */
+#pragma omp barrier
+            for (int64_t i = id; i < m; i += threads) {
+                rms_norm_row(x + i * hidden, L->post_norm, md->eps, hidden, row + i * widest);
+                quantize_row(&to_gu, row + i * widest, i, L->gate_up.g);
+            }
+#pragma omp barrier
+            products(&L->gate_up, &to_gu, NULL, gu, m, id, threads);
+#pragma omp barrier
+            for (int64_t i = id; i < m; i += threads) {
+                silu_mul_row(gu + i * gu_width, inter, row + i * widest);
+                quantize_row(&to_down, row + i * widest, i, L->down.g);
+            }
+#pragma omp barrier
+            products(&L->down, &to_down, x, x, m, id, threads);
+#pragma omp barrier
+        }
+    }
+    free(row), free(qkv), free(att), free(gu);
+    acts_free(&to_qkv), acts_free(&to_o), acts_free(&to_gu), acts_free(&to_down);
+}

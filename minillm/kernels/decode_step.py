@@ -1,0 +1,135 @@
+"""Chapter 6 — a quantized model's decode step in one C call (`decode_step.c`): every layer's norm, products, RoPE,
+cache store, attention and SwiGLU for a batch of sequences that each decode one token.
+
+At batch 1 on a CPU the int4 products take about half of a decode step; the rest is a few hundred small PyTorch
+operations and the Python between them, each paying its dispatch and its trip through cold caches. Fusing them
+leaves a step that is its products plus the few microseconds of arithmetic between them. The layers' weights must
+be in the C product kernel's layouts (`int4_cpu.Int4Weight`, `Int8Weight`) and the cache a float32 pool; the
+model decides when that holds (`minillm.model.fused_decode_step`), and the unfused modules stay the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..cache_dir import cache_dir
+from .cpu import _build
+from .int4_cpu import Int4Weight, Int8Weight
+
+SOURCE = Path(__file__).with_name("decode_step.c")
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("bits", ctypes.c_int), ("q", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("zero", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("g", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight),
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", ctypes.c_int64), ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64),
+                ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("block_size", ctypes.c_int64),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)),
+                ("cos", ctypes.c_void_p), ("sin_signed", ctypes.c_void_p)]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The step built for this machine, or None where it cannot be built (no compiler, not Linux/glibc)."""
+    try:
+        lib = ctypes.CDLL(str(_build(SOURCE, cache_dir() / "kernels")))
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    lib.decode_step_f32.restype = None
+    lib.decode_step_f32.argtypes = [ctypes.POINTER(_Model), ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 \
+        + [ctypes.c_int64]
+    return lib
+
+
+def decode_step_available() -> bool:
+    """Whether the fused step is built (building it now if needed) and loadable here."""
+    return _library() is not None
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer as the fused step reads it: its four products in the C kernel's layouts and its two
+    RMSNorm gains (float32 `[hidden]`)."""
+    qkv: Int4Weight | Int8Weight
+    o: Int4Weight | Int8Weight
+    gate_up: Int4Weight | Int8Weight
+    down: Int4Weight | Int8Weight
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+
+
+def _weight(w: Int4Weight | Int8Weight) -> _Weight:
+    zero = w.zero.data_ptr() if isinstance(w, Int4Weight) else None
+    return _Weight(4 if isinstance(w, Int4Weight) else 8, w.q.data_ptr(), w.scale.data_ptr(), zero, w.out_features,
+                   w.in_features, w.group_size)
+
+
+class FusedDecodeStep:
+    """The decode step of a model whose layers are `layers`, over the float32 pools `caches` (one `(k, v)` pair of
+    `[blocks, block_size, kv_heads, head_dim]` per layer), with RoPE tables `cos` and `sin_signed` `[positions,
+    head_dim]` (`layers.RotaryEmbedding`'s). Call it on the embeddings of one new token per sequence."""
+
+    def __init__(self, layers: list[LayerWeights], caches: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor,
+                 sin_signed: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int):
+        if _library() is None:
+            raise RuntimeError("the fused decode step could not be built here (is a C compiler installed?)")
+        if not layers or len(caches) != len(layers):
+            raise ValueError(f"give one (k, v) cache pair per layer: {len(layers)} layers, {len(caches)} pairs")
+        blocks, block_size, kv_heads, head_dim = caches[0][0].shape
+        hidden = layers[0].qkv.in_features
+        q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
+        inter = layers[0].down.in_features
+        for i, (layer, (k, v)) in enumerate(zip(layers, caches)):
+            shapes = {"qkv": (layer.qkv, q_width + 2 * kv_width, hidden), "o": (layer.o, hidden, q_width),
+                      "gate_up": (layer.gate_up, 2 * inter, hidden), "down": (layer.down, hidden, inter)}
+            for name, (w, n, k_in) in shapes.items():
+                first = getattr(layers[0], name)
+                if (w.out_features, w.in_features, w.group_size) != (n, k_in, first.group_size):
+                    raise ValueError(f"layer {i}'s {name} is {w.out_features}x{w.in_features} in groups of "
+                                     f"{w.group_size}; expected {n}x{k_in} in groups of {first.group_size}")
+            for name, t in (("k cache", k), ("v cache", v)):
+                if t.dtype != torch.float32 or not t.is_contiguous() or t.shape != (blocks, block_size, num_kv_heads,
+                                                                                    head_dim):
+                    raise ValueError(f"layer {i}'s {name} must be a contiguous float32 pool shaped "
+                                     f"{(blocks, block_size, num_kv_heads, head_dim)}, got {tuple(t.shape)} {t.dtype}")
+            for name, t in (("input_norm", layer.input_norm), ("post_norm", layer.post_norm)):
+                if t.dtype != torch.float32 or not t.is_contiguous() or t.shape != (hidden,):
+                    raise ValueError(f"layer {i}'s {name} gain must be a contiguous float32 [{hidden}]")
+        if kv_heads != num_kv_heads or num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads over {kv_heads} cached KV heads (given {num_kv_heads})")
+        for name, t in (("cos", cos), ("sin_signed", sin_signed)):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.dim() != 2 or t.shape[1] != head_dim:
+                raise ValueError(f"{name} must be a contiguous float32 table [positions, {head_dim}]")
+        self._keep = (layers, caches, cos, sin_signed)  # the tensors behind the pointers below
+        self._layers = (_Layer * len(layers))(*[
+            _Layer(_weight(w.qkv), _weight(w.o), _weight(w.gate_up), _weight(w.down), w.input_norm.data_ptr(),
+                   w.post_norm.data_ptr(), k.data_ptr(), v.data_ptr()) for w, (k, v) in zip(layers, caches)])
+        self._model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, block_size, eps,
+                             head_dim ** -0.5, self._layers, cos.data_ptr(), sin_signed.data_ptr())
+        self.max_positions = cos.shape[0]
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor) -> torch.Tensor:
+        """Run every layer over `x` `[seqs, hidden]` (float32, contiguous), in place, and return it: sequence i's new
+        token sits at `positions[i]` and goes into cache slot `slots[i]` (int64 `[seqs]`); `block_tables` `[seqs,
+        max_blocks]` and `context_lens` `[seqs]` (int32, contiguous) give its blocks and its length with the new
+        token. Unchecked, as the engine's other kernels are at every step: the caller guarantees the shapes."""
+        _library().decode_step_f32(ctypes.byref(self._model), x.data_ptr(), x.shape[0], positions.data_ptr(),
+                                   slots.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
+                                   block_tables.shape[1])
+        return x

@@ -1,0 +1,106 @@
+"""The fused decode step (`minillm/kernels/decode_step.c`) against the model's modules, layer by layer: the same
+greedy tokens and nearly the same log-probabilities, on a tiny model and on the default one, with the cache left
+as the modules would leave it; where it does not apply, the engine steps layer by layer."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from minillm import LLM, SamplingParams
+from minillm.kernels.decode_step import FusedDecodeStep, decode_step_available
+from minillm.perplexity import eval_text
+from minillm.quant import use_c_kernel
+
+from conftest import requires_default_model
+
+pytestmark = pytest.mark.skipif(not (decode_step_available() and use_c_kernel()),
+                                reason="the C kernels do not build with a vector path here")
+PROMPTS = [list(range(5, 30)), list(range(40, 47)), [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]]
+
+
+def decode_outputs(llm, prompts, tokens, fused):
+    """The greedy tokens of `prompts` decoded together, and each decode step's last-layer output `[seqs, hidden]`."""
+    model, engine, outputs = llm.engine.model, llm.engine, []
+    run_layers = model.run_layers
+
+    def capture(x, positions, kv_cache, meta):
+        y = run_layers(x, positions, kv_cache, meta)
+        if meta.prefill is None:
+            outputs.append(y.clone())
+        return y
+
+    model.use_fused_step, model.run_layers = fused, capture
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True), use_tqdm=False)
+    finally:
+        model.use_fused_step = True
+        del model.run_layers
+    return [o.outputs[0].token_ids for o in outs], outputs
+
+
+@pytest.mark.parametrize("method,group_size", [("int4", 32), ("int4", 64), ("int8", None), ("int8", 32)])
+def test_fused_step_equals_the_modules_on_a_tiny_model(tiny_llama, method, group_size):
+    """Step by step, the same tokens, and the same hidden states up to float32 rounding. The C code sums and
+    rounds in its own order, and a last-bit difference that moves an input of a product across an int8 rounding
+    boundary changes that code by one step; so a row may differ by such a step's effect, not by more, and most rows
+    agree to rounding (a mistake in the plumbing would show in every row)."""
+    llm = LLM(tiny_llama, device="cpu", dtype=torch.float32, num_kv_blocks=64, block_size=4,
+              enable_prefix_caching=False, quantization=method, quantization_group_size=group_size)
+    assert llm.engine.model.fused_decode(llm.engine.kv_cache) is not None
+    ids, fused = decode_outputs(llm, PROMPTS, 6, True)
+    ref_ids, modules = decode_outputs(llm, PROMPTS, 6, False)
+    assert ids == ref_ids and len(fused) == len(modules) == 5
+    rel = torch.cat([(a - b).abs().amax(-1) / b.abs().amax(-1) for a, b in zip(fused, modules)])
+    assert (rel <= 1e-5).float().mean() >= 0.75 and rel.max() <= 0.05, rel
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+def test_fused_step_writes_the_cache_the_modules_write(tiny_llama):
+    """After the same requests, every layer's cache holds the same keys (rotated) and values either way (the
+    blocks are handed out in the same order)."""
+    pools = []
+    for fused in (True, False):
+        llm = LLM(tiny_llama, device="cpu", dtype=torch.float32, num_kv_blocks=64, block_size=4,
+                  enable_prefix_caching=False, quantization="int4", quantization_group_size=32)
+        llm.engine.model.use_fused_step = fused
+        llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+        pools.append(torch.stack((llm.engine.kv_cache.k, llm.engine.kv_cache.v)))
+    assert (pools[0] - pools[1]).abs().max() <= 1e-4 * pools[1].abs().max()
+
+
+@requires_default_model
+@pytest.mark.slow
+def test_fused_step_keeps_the_default_model_s_first_choices():
+    """After the same prefill, the first decode step of 16 prompts picks the same token fused as layer by layer,
+    but for near-ties (the two differ by about a percent of the output after 30 layers of int8 rounding)."""
+    llm = LLM(device="cpu", dtype=torch.float32, enable_prefix_caching=False, quantization="int4")
+    ids = llm.get_tokenizer()(eval_text()).input_ids
+    prompts = [ids[i * 37:i * 37 + 20 + i] for i in range(16)]
+    (fused, _), (modules, _) = (decode_outputs(llm, prompts, 2, f) for f in (True, False))
+    assert sum(a[1] == b[1] for a, b in zip(fused, modules)) >= 14  # the second token: the first decode step's
+
+
+def test_where_the_fused_step_does_not_apply_the_engine_steps_layer_by_layer(tiny_llama, monkeypatch):
+    args = dict(device="cpu", dtype=torch.float32, num_kv_blocks=32, block_size=4)
+    for kwargs in ({}, dict(quantization="fp8"), dict(quantization="int4", kv_cache_dtype="int8")):
+        llm = LLM(tiny_llama, **args, **kwargs)
+        assert llm.engine.model.fused_decode(llm.engine.kv_cache) is None, kwargs
+        assert len(llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids) == 3
+    monkeypatch.setenv("MINILLM_FUSED_STEP", "0")
+    assert not LLM(tiny_llama, **args, quantization="int4", quantization_group_size=32).engine.model.use_fused_step
+
+
+def test_fused_step_checks_what_it_is_built_from(tiny_llama):
+    llm = LLM(tiny_llama, device="cpu", dtype=torch.float32, num_kv_blocks=32, block_size=4,
+              quantization="int4", quantization_group_size=32)
+    model, cache = llm.engine.model, llm.engine.kv_cache
+    step = model.fused_decode(cache)
+    layers, caches, cos, sin = step._keep
+    heads = model.layers[0].self_attn.num_heads, model.layers[0].self_attn.num_kv_heads
+    with pytest.raises(ValueError, match="one \\(k, v\\) cache pair per layer"):
+        FusedDecodeStep(layers, caches[:1], cos, sin, 1e-5, *heads)
+    with pytest.raises(ValueError, match="float32 pool"):
+        FusedDecodeStep(layers, [(k.half(), v) for k, v in caches], cos, sin, 1e-5, *heads)
+    with pytest.raises(ValueError, match="expected"):
+        FusedDecodeStep([replace(layers[0], qkv=layers[0].gate_up)] + layers[1:], caches, cos, sin, 1e-5, *heads)

@@ -144,6 +144,17 @@ class RayService:
             raise
         return self
 
+    def redeploy(self, **app_options) -> RayService:
+        """Replace the running application with one built from these options over the current ones (another
+        `router`, say), on the same Ray instance and HTTP proxy: Serve starts replicas under the new options and
+        retires the old ones; Ray and the proxy do not restart. Returns when the new replicas serve."""
+        self._check_running()
+        options = {**self.app_options, **app_options}
+        app = build_application(self.engine_args, **options)  # a bad option fails before anything changes
+        serve.run(app, name=APP_NAME, route_prefix="/")
+        self.app_options = options
+        return self
+
     def stop(self) -> None:
         """Delete the application (replicas drain for `drain_seconds`), then shut Ray down."""
         import ray

@@ -198,12 +198,13 @@ def _fused_decode_step(model: CausalLM, kv_cache) -> FusedDecodeStep | None:
     """`CausalLM.fused_decode`'s step, built from the model's layers, or None when they do not allow one."""
     from .kernels.decode_step import FusedDecodeStep, LayerWeights, decode_step_available
 
+    if (model.ctx is not None or kv_cache.quantized or kv_cache.k.dtype != torch.float32
+            or model.rotary.cos.dtype != torch.float32 or not all(isinstance(layer.mlp, MLP) for layer in model.layers)):
+        return None
     products = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
                 for layer in model.layers]
-    if (model.ctx is not None or kv_cache.quantized or kv_cache.k.dtype != torch.float32
-            or not all(isinstance(layer.mlp, MLP) for layer in model.layers)
-            or not all(getattr(p, "kernel", None) is not None and p.bias is None for four in products for p in four)
-            or model.rotary.cos.dtype != torch.float32 or not decode_step_available()):
+    if not all(getattr(p, "kernel", None) is not None and p.bias is None for four in products for p in four) \
+            or not decode_step_available():
         return None
     layers = [LayerWeights(*(p.kernel for p in four), layer.input_layernorm.weight.detach(),
                            layer.post_attention_layernorm.weight.detach())

@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +36,7 @@ from .replica import LLMServer
 
 APP_NAME = "minillm"
 INGRESS_MAX_ONGOING_REQUESTS = 100_000  # every HTTP request passes the one ingress; the app's own 429 is the limit
+REDEPLOY_STOP_S = 120  # how long `RayService.redeploy` waits for the old replicas to stop (their drain included)
 HEALTH_CHECK_PERIOD_S = 2.0  # how soon Serve notices a replica that stopped answering and starts another
 
 
@@ -147,12 +149,19 @@ class RayService:
     def redeploy(self, **app_options) -> RayService:
         """Replace the running application with one built from these options over the current ones (another
         `router`, say), on the same Ray instance and HTTP proxy: Serve starts replicas under the new options and
-        retires the old ones; Ray and the proxy do not restart. Returns when the new replicas serve."""
+        retires the old ones; Ray and the proxy do not restart. Returns once the new replicas serve and the old
+        ones have stopped (so that what runs next does not share the machine with them)."""
         self._check_running()
         options = {**self.app_options, **app_options}
         app = build_application(self.engine_args, **options)  # a bad option fails before anything changes
         serve.run(app, name=APP_NAME, route_prefix="/")
         self.app_options = options
+        deadline = time.monotonic() + REDEPLOY_STOP_S
+        while set(self.replica_states()) - {"RUNNING"}:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"old replicas still not stopped {REDEPLOY_STOP_S} s after the redeploy: "
+                                   f"{self.replica_states()}")
+            time.sleep(0.2)
         return self
 
     def stop(self) -> None:

@@ -5,7 +5,7 @@ At batch 1 on a CPU the int4 products take about half of a decode step; the rest
 operations and the Python between them, each paying its dispatch and its trip through cold caches. Fusing them
 leaves a step that is its products plus the few microseconds of arithmetic between them. The layers' weights must
 be in the C product kernel's layouts (`int4_cpu.Int4Weight`, `Int8Weight`) and the cache a float32 pool; the
-model decides when that holds (`minillm.model.fused_decode_step`), and the unfused modules stay the reference.
+model decides when that holds (`minillm.model.CausalLM.fused_decode`), and the unfused modules stay the reference.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from ..cache_dir import cache_dir
 from .cpu import _build
-from .int4_cpu import Int4Weight, Int8Weight
+from .int4_cpu import Int4Weight, Int8Weight, _weight_args
 
 SOURCE = Path(__file__).with_name("decode_step.c")
 
@@ -74,9 +74,8 @@ class LayerWeights:
 
 
 def _weight(w: Int4Weight | Int8Weight) -> _Weight:
-    zero = w.zero.data_ptr() if isinstance(w, Int4Weight) else None
-    return _Weight(4 if isinstance(w, Int4Weight) else 8, w.q.data_ptr(), w.scale.data_ptr(), zero, w.out_features,
-                   w.in_features, w.group_size)
+    """The product kernel's leading arguments for `w` (bits, pointers, sizes, group), as the step's struct."""
+    return _Weight(*_weight_args(w))
 
 
 class FusedDecodeStep:
@@ -121,7 +120,6 @@ class FusedDecodeStep:
                    w.post_norm.data_ptr(), k.data_ptr(), v.data_ptr()) for w, (k, v) in zip(layers, caches)])
         self._model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, block_size, eps,
                              head_dim ** -0.5, self._layers, cos.data_ptr(), sin_signed.data_ptr())
-        self.max_positions = cos.shape[0]
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor) -> torch.Tensor:

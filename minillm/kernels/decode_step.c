@@ -56,7 +56,9 @@ void decode_step_f32(const Model *md, float *x, int64_t m, const int64_t *positi
     const int64_t hidden = md->hidden, heads = md->heads, kv_heads = md->kv_heads, d = md->head_dim;
     const int64_t q_width = heads * d, kv_width = kv_heads * d, qkv_width = first->qkv.n;
     const int64_t gu_width = first->gate_up.n, inter = gu_width / 2;
-    const int64_t widest = hidden > inter ? (hidden > q_width ? hidden : q_width) : (inter > q_width ? inter : q_width);
+    int64_t widest = hidden; /* the longest row that is rounded to int8 for a product */
+    if (inter > widest) widest = inter;
+    if (q_width > widest) widest = q_width;
     Acts to_qkv = acts_new(m, hidden, first->qkv.g), to_o = acts_new(m, q_width, first->o.g);
     Acts to_gu = acts_new(m, hidden, first->gate_up.g), to_down = acts_new(m, inter, first->down.g);
     float *row = malloc(sizeof(float) * m * widest), *qkv = malloc(sizeof(float) * m * qkv_width);

@@ -7,7 +7,6 @@ quantization (chapter 6) replaces in place.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -16,25 +15,26 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from .kernels import small_ops
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight, computed in float32 like the reference implementation.
 
-    For the model's float32 hidden states on a CPU, `[tokens, hidden]`, the mean of squares plus eps is one
-    BLAS call, a product with a column of 1/d: torch's CPU reductions take longer per call, and at batch 1 a
-    norm is all per-call cost (chapter 2 measures both). Elsewhere it is torch's `F.rms_norm`.
+    For float32 rows on a CPU it is a C function (`kernels/small_ops.c`), the one the fused decode step of chapter 6
+    runs: at batch 1 a norm is all per-call cost, and one C call costs less than torch's reductions (chapter 2
+    measures both). Elsewhere it is torch's `F.rms_norm`.
     """
-    if x.is_cpu and x.dim() == 2 and x.dtype == weight.dtype == torch.float32:
-        column, eps_tensor = _mean_column(x.shape[-1], eps)
-        return torch.mul(x, torch.addmm(eps_tensor, x * x, column).rsqrt_()).mul_(weight)
+    if x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous() and runs_in_c(x, weight):
+        return small_ops.rms_norm(x, weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-@functools.cache
-def _mean_column(d: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The constants of `rms_norm`'s CPU path: a `[d, 1]` column of 1/d, and eps as a tensor."""
-    with torch.inference_mode(False):  # usable inside and outside inference mode
-        return torch.full((d, 1), 1.0 / d), torch.tensor([eps])
+def runs_in_c(*tensors: torch.Tensor) -> bool:
+    """Whether a small operation on `tensors` runs as its C function (`kernels/small_ops.py`): float32 on a CPU,
+    no gradient wanted, no dispatch mode watching, and the functions built here."""
+    return (all(t.dtype == torch.float32 and t.is_cpu for t in tensors) and not torch.is_grad_enabled()
+            and not dispatch_mode_active() and small_ops.small_ops_available())
 
 
 class RMSNorm(nn.Module):
@@ -94,7 +94,14 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """RoPE in three operations: cat(-x2, x1) * sin equals x rolled by half a head times the signed sin."""
+    """RoPE in three operations: cat(-x2, x1) * sin equals x rolled by half a head times the signed sin.
+
+    For float32 on a CPU, `[tokens, heads, head_dim]` with one cos row per token, it is a C function (see
+    `rms_norm`)."""
+    if x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.shape == sin_signed.shape == (
+            x.shape[0], 1, x.shape[2]) and cos.is_contiguous() and sin_signed.is_contiguous() \
+            and runs_in_c(x, cos, sin_signed):
+        return small_ops.rope(x, cos, sin_signed)
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
@@ -128,7 +135,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's gate: silu(gate) * up, with gate and up stacked in the last dimension."""
+    """SwiGLU's gate: silu(gate) * up, with gate and up stacked in the last dimension (a C function for float32
+    `[tokens, 2n]` on a CPU, see `rms_norm`)."""
+    if gate_up.dim() == 2 and gate_up.is_contiguous() and runs_in_c(gate_up):
+        return small_ops.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
 

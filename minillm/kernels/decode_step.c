@@ -1,7 +1,8 @@
 /* A quantized model's whole decode step in one call: for a batch of sequences that each decode one token, every
  * layer's RMSNorm, products, RoPE, cache store, attention, SwiGLU and skip connections, then back to Python once.
- * minillm/model.py is the readable reference, operation by operation; this file does the same arithmetic without
- * a trip through Python and PyTorch's dispatcher between operations, and fuses each operation that feeds a product
+ * minillm/model.py is the readable reference, operation by operation; this file does the same arithmetic, with the
+ * same compiled code for each operation (small_ops.c, and the two kernels below), without a trip through Python and
+ * PyTorch's dispatcher between operations, and fuses each operation that feeds a product
  * into the rounding of that product's input to int8 (RMSNorm, SiLU times up, attention's output), and RoPE into
  * the cache store.
  *   weights  int4_matmul.c's layouts (int4 in groups, or int8 per channel or in groups)
@@ -13,6 +14,7 @@
  * kernels' inner functions inline here as they do in their own libraries. */
 #include "int4_matmul.c"
 #include "paged_decode.c"
+#include "small_ops.c"
 
 /* One decoder layer: its four products, its two RMSNorm gains and its cache pools. */
 typedef struct {
@@ -27,26 +29,6 @@ typedef struct {
     const Layer *layers;
     const float *cos, *sin_signed; /* [positions, head_dim]: RoPE's tables, the sine's first half negated */
 } Model;
-
-/* out = x / sqrt(mean(x^2) + eps) * gain, one row of d values. */
-static void rms_norm_row(const float *x, const float *gain, float eps, int64_t d, float *out) {
-    float sum = 0.0f;
-    for (int64_t i = 0; i < d; i++) sum += x[i] * x[i];
-    const float r = 1.0f / sqrtf(sum / (float)d + eps);
-    for (int64_t i = 0; i < d; i++) out[i] = x[i] * r * gain[i];
-}
-
-/* RoPE on one head in place: x * cos + (x rolled by half a head) * signed sin. */
-static void rope_head(float *x, const float *cos, const float *sin_signed, int64_t d) {
-    float rolled[d];
-    for (int64_t i = 0; i < d; i++) rolled[i] = x[(i + d / 2) % d];
-    for (int64_t i = 0; i < d; i++) x[i] = x[i] * cos[i] + rolled[i] * sin_signed[i];
-}
-
-/* out = silu(gate) * up for one row: gate and up side by side in `gu` [2n]. */
-static void silu_mul_row(const float *gu, int64_t n, float *out) {
-    for (int64_t i = 0; i < n; i++) out[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[n + i];
-}
 
 /* x [m, hidden] through every layer. positions and slots [m] are each new token's position and cache slot;
  * block_tables [m, max_blocks] and context_lens [m] (int32) each sequence's blocks and length after this token. */
@@ -78,7 +60,7 @@ void decode_step_f32(const Model *md, float *x, int64_t m, const int64_t *positi
             for (int64_t i = id; i < m; i += threads) { /* RoPE on q and k, then k and v into their slots */
                 float *h = qkv + i * qkv_width;
                 const float *cos = md->cos + positions[i] * d, *sin = md->sin_signed + positions[i] * d;
-                for (int64_t j = 0; j < heads + kv_heads; j++) rope_head(h + j * d, cos, sin, d);
+                rope_row(h, cos, sin, heads + kv_heads, d, h);
                 memcpy(L->k_cache + slots[i] * kv_width, h + q_width, sizeof(float) * kv_width);
                 memcpy(L->v_cache + slots[i] * kv_width, h + q_width + kv_width, sizeof(float) * kv_width);
             }

@@ -1,0 +1,71 @@
+/* The small operations between a decoder layer's products, on float32 rows: RMSNorm, RoPE and SiLU times up.
+ * minillm/layers.py defines each in PyTorch and, on a CPU, calls these instead; the fused decode step
+ * (decode_step.c) includes this file and calls the same row functions. Each row function is kept out of line, one
+ * compiled body whoever calls it, so that a step layer by layer and a fused step compute the same floats: an
+ * input of a product that differs in its last bit can round to another int8 code, and the tokens drift apart.
+ * Compiled at first use by minillm/kernels/small_ops.py. */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#define SMALL_SERIAL 65536 /* fewer elements than this are done by the calling thread alone */
+
+/* out = x / sqrt(mean(x^2) + eps) * gain, one row of d values (out may be x). */
+__attribute__((noinline)) static void rms_norm_row(const float *x, const float *gain, float eps, int64_t d,
+                                                   float *out) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < d; i++) sum += x[i] * x[i];
+    const float r = 1.0f / sqrtf(sum / (float)d + eps);
+    for (int64_t i = 0; i < d; i++) out[i] = x[i] * r * gain[i];
+}
+
+/* RoPE on `heads` consecutive heads of d values: x * cos + (x rolled by half a head) * signed sin, with the
+ * signed sin's first half negated (layers.signed_sin); out may be x. */
+__attribute__((noinline)) static void rope_row(const float *x, const float *cos, const float *sin_signed,
+                                               int64_t heads, int64_t d, float *out) {
+    float h[d];
+    for (int64_t j = 0; j < heads; j++) {
+        memcpy(h, x + j * d, sizeof(float) * d);
+        for (int64_t i = 0; i < d; i++) out[j * d + i] = h[i] * cos[i] + h[(i + d / 2) % d] * sin_signed[i];
+    }
+}
+
+/* out = silu(gate) * up for one row, gate and up side by side in gu [2n]. */
+__attribute__((noinline)) static void silu_mul_row(const float *gu, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[n + i];
+}
+
+/* rms_norm_row over m rows of x (row i at x + i * x_stride) into out [m, d]. */
+void rms_norm_f32(const float *x, int64_t x_stride, const float *gain, float eps, int64_t m, int64_t d, float *out) {
+    if (m * d < SMALL_SERIAL) {
+        for (int64_t i = 0; i < m; i++) rms_norm_row(x + i * x_stride, gain, eps, d, out + i * d);
+        return;
+    }
+#pragma omp parallel for
+    for (int64_t i = 0; i < m; i++) rms_norm_row(x + i * x_stride, gain, eps, d, out + i * d);
+}
+
+/* rope_row over m tokens (token i's heads at x + i * x_stride, its cos and signed sin rows at cos + i * d and
+ * sin_signed + i * d) into out [m, heads, d]. */
+void rope_f32(const float *x, int64_t x_stride, const float *cos, const float *sin_signed, int64_t m, int64_t heads,
+              int64_t d, float *out) {
+    if (m * heads * d < SMALL_SERIAL) {
+        for (int64_t i = 0; i < m; i++) rope_row(x + i * x_stride, cos + i * d, sin_signed + i * d, heads, d,
+                                                 out + i * heads * d);
+        return;
+    }
+#pragma omp parallel for
+    for (int64_t i = 0; i < m; i++) rope_row(x + i * x_stride, cos + i * d, sin_signed + i * d, heads, d,
+                                             out + i * heads * d);
+}
+
+/* silu_mul_row over m rows of gu [m, 2n] into out [m, n]. */
+void silu_mul_f32(const float *gu, int64_t m, int64_t n, float *out) {
+    if (m * n < SMALL_SERIAL) {
+        for (int64_t i = 0; i < m; i++) silu_mul_row(gu + i * 2 * n, n, out + i * n);
+        return;
+    }
+#pragma omp parallel for
+    for (int64_t i = 0; i < m; i++) silu_mul_row(gu + i * 2 * n, n, out + i * n);
+}

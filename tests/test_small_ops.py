@@ -1,0 +1,63 @@
+"""RMSNorm, RoPE and SiLU times up in C (`minillm/kernels/small_ops.c`) against their PyTorch definitions in
+`minillm.layers`, which still run where a gradient is wanted, a dispatch mode watches, or the tensors are not
+float32 on a CPU."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from minillm import layers
+from minillm.kernels.small_ops import small_ops_available
+
+pytestmark = pytest.mark.skipif(not small_ops_available(), reason="no C compiler here")
+
+
+def both(fn, *args):
+    """`fn(*args)` as the C function computes it (no gradient), and as PyTorch does (a gradient enabled)."""
+    with torch.no_grad():
+        assert layers.runs_in_c(*[a for a in args if isinstance(a, torch.Tensor)])
+        ours = fn(*args)
+    with torch.enable_grad():
+        theirs = fn(*args)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 300])  # 300 rows: the threaded path
+def test_rms_norm_and_silu_match_pytorch(tokens):
+    gen = torch.Generator().manual_seed(tokens)
+    x, gain = torch.randn(tokens, 576, generator=gen) * 3, torch.rand(576, generator=gen) + 0.5
+    ours, theirs = both(layers.rms_norm, x, gain, 1e-5)
+    torch.testing.assert_close(ours, theirs, rtol=2e-6, atol=1e-6)
+    strided = torch.randn(tokens, 2 * 576, generator=gen)[:, :576]  # rows contiguous, not the whole tensor
+    ours, theirs = both(layers.rms_norm, strided, gain, 1e-5)
+    torch.testing.assert_close(ours, theirs, rtol=2e-6, atol=1e-6)
+    gate_up = torch.randn(tokens, 2 * 1536, generator=gen) * 4
+    ours, theirs = both(layers.silu_and_mul, gate_up)
+    torch.testing.assert_close(ours, theirs, rtol=2e-6, atol=1e-6)
+    assert ours.shape == (tokens, 1536)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 120])
+def test_rope_matches_pytorch_on_the_q_and_k_heads_of_a_qkv_row(tokens):
+    """As the attention layer calls it: q and k heads, a slice of each token's q, k and v (rows not contiguous)."""
+    rope = layers.RotaryEmbedding(64, 1e5, 4096)
+    positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(tokens))
+    cos, sin_signed = rope.cos_sin(positions, torch.float32)
+    qkv = torch.randn(tokens, 9 + 2 * 3, 64)
+    x = qkv[:, :12]
+    ours, theirs = both(layers.rotate, x, cos, sin_signed)
+    torch.testing.assert_close(ours, theirs, rtol=2e-6, atol=1e-6)
+    assert not ours.data_ptr() == x.data_ptr() and torch.equal(x, qkv[:, :12])  # a new tensor; x untouched
+
+
+def test_pytorch_runs_where_the_c_functions_do_not_apply():
+    x, gain = torch.randn(2, 64), torch.ones(64)
+    with torch.no_grad():
+        assert layers.runs_in_c(x, gain)
+        assert not layers.runs_in_c(x.double()) and not layers.runs_in_c(x.bfloat16())
+        with FlopCounterMode(display=False):  # a dispatch mode sees every operation, so none may bypass it
+            assert not layers.runs_in_c(x, gain)
+    w = gain.clone().requires_grad_()
+    layers.rms_norm(x, w, 1e-6).sum().backward()  # a gradient wanted: PyTorch's, which autograd differentiates
+    torch.testing.assert_close(w.grad, F.rms_norm(x, (64,), eps=1e-6).sum(0))

@@ -1,14 +1,15 @@
-"""A quantized model's decode step on a CPU three ways, in one run: the modules of `model.py` layer by layer, the
+"""A quantized model's decode step on a CPU four ways, in one run: the modules of `model.py` layer by layer, the
 same layer written in PyTorch operations around the C kernels and compiled by `torch.compile` (Inductor's CPU
-backend), and the fused C step (`decode_step.c`).
+backend) with those kernels as Python or as C++ custom operators, and the fused C step (`decode_step.c`).
 
-For the compiled way, the C product kernel, the cache store and the C attention kernel are registered as custom
-operators (`torch.library.custom_op`), opaque to the compiler; everything between them (RMSNorm, RoPE, SiLU times
-up, the reshapes) is PyTorch that Inductor fuses into generated C++ loops. One graph serves every layer (the
-weights are its inputs). The three ways run the same engine's layers on the same captured decode step (its
-hidden states, positions, slots and block tables), alternating round by round; reported: the median ms per step,
-compile time, and how far each way's last-layer output is from the modules' (the compiled one rounds its small
-operations in Inductor's order, so it is close, not equal).
+For the compiled ways the C product kernel, the cache store and the C attention kernel are custom operators,
+opaque to the compiler; everything between them (RMSNorm, RoPE, SiLU times up, the reshapes) is PyTorch that
+Inductor fuses into generated C++ loops. Python operators (`torch.library.custom_op`) are what one writes first;
+C++ ones (`compile_step_ops.cpp`, built here with the machine's C++ compiler against PyTorch's headers) take
+Python out of each kernel call. One graph serves every layer (the weights are its inputs). All ways run the same
+engine's layers on the same captured decode step (its hidden states, positions, slots and block tables),
+alternating round by round; reported: the median ms per step, compile time, and how far each way's last-layer
+output is from the modules' (the compiled ways round their small operations in Inductor's order: close, not equal).
 
     .venv/bin/python -m benchmarks.compile_step [--format int4] [--batch 1] [--rounds 7] [--threads 1]
 """
@@ -16,21 +17,30 @@ operations in Inductor's order, so it is close, not equal).
 from __future__ import annotations
 
 import argparse
+import ctypes
+import hashlib
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from torch.utils import cpp_extension
 
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minillm import LLM, SamplingParams, threads
+from minillm.cache_dir import cache_dir
+from minillm.kernels import cpu, int4_cpu
 from minillm.kernels.cpu import paged_decode_unchecked
 from minillm.kernels.int4_cpu import Int4Weight, Int8Weight, matmul_unchecked
+
+CPP_SOURCE = Path(__file__).with_name("compile_step_ops.cpp")
 
 
 @torch.library.custom_op("minillm_bench::product", mutates_args=())
@@ -66,30 +76,67 @@ def _(q, k_cache, v_cache, tables, lens, scale):
     return q.new_empty(q.shape)
 
 
+def cpp_ops() -> SimpleNamespace | None:
+    """The C++ operators of `compile_step_ops.cpp`, built (once, cached) and pointed at minillm's kernels; None
+    when no C++ compiler builds them here."""
+    flags = ["-O2", "-shared", "-fPIC", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             *(f"-I{p}" for p in cpp_extension.include_paths()), *(f"-L{p}" for p in cpp_extension.library_paths()),
+             *(f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
+    key = hashlib.sha256(CPP_SOURCE.read_bytes() + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:16]
+    library = cache_dir() / "kernels" / f"compile_step_ops_{key}.so"
+    if not library.exists():
+        library.parent.mkdir(parents=True, exist_ok=True)
+        partial = library.with_suffix(".partial")
+        try:
+            subprocess.run([os.environ.get("CXX", "c++"), str(CPP_SOURCE), "-o", str(partial), *flags], check=True,
+                           capture_output=True, text=True)
+        except (OSError, subprocess.CalledProcessError) as error:
+            print(f"the C++ operators did not build ({getattr(error, 'stderr', error)!s:.500}); skipping them")
+            return None
+        partial.replace(library)
+    torch.ops.load_library(str(library))
+    address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
+    torch.ops.minillm_cpp.set_kernels(address(int4_cpu._require().quant_matmul_f32),
+                                      address(cpu._library().paged_decode_f32))
+    torch.library.register_fake("minillm_cpp::product")(lambda x, q, scale, zero, group, n, residual:
+                                                         x.new_empty(x.shape[0], n))
+    torch.library.register_fake("minillm_cpp::attention")(lambda q, k_cache, v_cache, tables, lens, scale:
+                                                           q.new_empty(q.shape))
+    ops = torch.ops.minillm_cpp
+    return SimpleNamespace(product=ops.product, store=ops.store, attention=ops.attention)
+
+
+PYTHON_OPS = SimpleNamespace(product=product, store=store, attention=attention)
+
+
 def weight_args(p) -> tuple:
     """A quantized projection's tensors and sizes, as `product` takes them."""
     w = p.kernel
     return w.q, w.scale, getattr(w, "zero", None), w.group_size, w.out_features
 
 
-def layer_step(x, cos, sin_signed, qkv, o, gate_up, down, norm1, norm2, k_cache, v_cache, slots, tables, lens,
-               heads: int, kv_heads: int, eps: float):
-    """One decoder layer's decode step in PyTorch operations around the C kernels (the arithmetic of model.py)."""
-    d = cos.shape[-1]
+def layer_step(ops: SimpleNamespace):
+    """One decoder layer's decode step in PyTorch operations around the C kernels `ops` (model.py's arithmetic)."""
 
-    def norm(h, gain):
-        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * gain
+    def step(x, cos, sin_signed, qkv, o, gate_up, down, norm1, norm2, k_cache, v_cache, slots, tables, lens,
+             heads: int, kv_heads: int, eps: float):
+        d = cos.shape[-1]
 
-    hs = product(norm(x, norm1), *qkv, None).view(x.shape[0], heads + 2 * kv_heads, d)
-    qk = hs[:, :heads + kv_heads]
-    qk = qk * cos + qk.roll(d // 2, dims=-1) * sin_signed
-    q, k, v = qk[:, :heads], qk[:, heads:], hs[:, heads + kv_heads:]
-    store(k, v, k_cache, v_cache, slots)
-    att = attention(q, k_cache, v_cache, tables, lens, d ** -0.5)
-    x = product(att.flatten(1), *o, x)
-    gu = product(norm(x, norm2), *gate_up, None)
-    inter = gu.shape[1] // 2
-    return product(F.silu(gu[:, :inter]) * gu[:, inter:], *down, x)
+        def norm(h, gain):
+            return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * gain
+
+        hs = ops.product(norm(x, norm1), *qkv, None).view(x.shape[0], heads + 2 * kv_heads, d)
+        qk = hs[:, :heads + kv_heads]
+        qk = qk * cos + qk.roll(d // 2, dims=-1) * sin_signed
+        q, k, v = qk[:, :heads], qk[:, heads:], hs[:, heads + kv_heads:]
+        ops.store(k, v, k_cache, v_cache, slots)
+        att = ops.attention(q, k_cache, v_cache, tables, lens, d ** -0.5)
+        x = ops.product(att.flatten(1), *o, x)
+        gu = ops.product(norm(x, norm2), *gate_up, None)
+        inter = gu.shape[1] // 2
+        return ops.product(F.silu(gu[:, :inter]) * gu[:, inter:], *down, x)
+
+    return step
 
 
 def capture_decode_step(llm: LLM, batch: int, context: int) -> tuple:
@@ -137,13 +184,16 @@ def main(argv: list[str] | None = None) -> int:
                weight_args(L.mlp.down_proj), L.input_layernorm.weight.detach(),
                L.post_attention_layernorm.weight.detach(), *kv_cache.layer(i)[:2]) for i, L in enumerate(model.layers)]
     cos, sin_signed = model.rotary.cos_sin(positions, torch.float32)
-    compiled = torch.compile(layer_step, dynamic=False, fullgraph=True)
 
-    def run_compiled(x):
-        for w in layers:
-            x = compiled(x, cos, sin_signed, *w, meta.slot_mapping, meta.block_tables, meta.context_lens,
-                         attn.num_heads, attn.num_kv_heads, eps)
-        return x
+    def compiled_way(ops: SimpleNamespace):
+        compiled = torch.compile(layer_step(ops), dynamic=False, fullgraph=True)
+
+        def run(x):
+            for w in layers:
+                x = compiled(x, cos, sin_signed, *w, meta.slot_mapping, meta.block_tables, meta.context_lens,
+                             attn.num_heads, attn.num_kv_heads, eps)
+            return x
+        return run
 
     def run_modules(x):
         model.use_fused_step = False
@@ -155,12 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     def run_fused(x):
         return model.run_layers(x, positions, kv_cache, meta)
 
+    ways = {"modules": run_modules, "compiled, Python ops": compiled_way(PYTHON_OPS)}
+    if (native := cpp_ops()) is not None:
+        ways["compiled, C++ ops"] = compiled_way(native)
+    ways["fused"] = run_fused
     with torch.inference_mode():
-        start = time.perf_counter()
-        out = {"compiled": run_compiled(x0.clone())}
-        compile_s = time.perf_counter() - start
-        out |= {"modules": run_modules(x0.clone()), "fused": run_fused(x0.clone())}
-        ways = {"modules": run_modules, "compiled": run_compiled, "fused": run_fused}
+        out, compile_s = {}, {}
+        for name, way in ways.items():  # the first call of a compiled way compiles it
+            start = time.perf_counter()
+            out[name] = way(x0.clone())
+            compile_s[name] = time.perf_counter() - start
         ms = {name: [] for name in ways}
         for r in range(args.rounds):
             for name in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
@@ -173,15 +227,15 @@ def main(argv: list[str] | None = None) -> int:
                 ms[name].append(1e3 * statistics.median(times))
     ref = out["modules"]
     print(f"{torch.get_num_threads()} threads; {args.format} (groups of 32), batch {args.batch}, context "
-          f"{args.context}; {args.rounds} rounds of {args.steps} steps per way, alternating; torch "
-          f"{torch.__version__}; compiling took {compile_s:.1f} s")
-    print(f"{'way':>9} {'ms per step':>11} {'(min-max of rounds)':>20} {'vs modules':>10} "
+          f"{args.context}; {args.rounds} rounds of {args.steps} steps per way, alternating; torch {torch.__version__}")
+    print(f"{'way':>21} {'ms per step':>11} {'rounds min-max':>15} {'vs modules':>10} {'first call s':>12} "
           f"{'max |diff| / max |x|':>21}")
     base = statistics.median(ms["modules"])
     for name in ways:
         med = statistics.median(ms[name])
         diff = float((out[name] - ref).abs().max() / ref.abs().max())
-        print(f"{name:>9} {med:11.2f} {min(ms[name]):9.2f}-{max(ms[name]):<10.2f} {base / med:9.2f}x {diff:21.2e}")
+        print(f"{name:>21} {med:11.2f} {min(ms[name]):7.2f}-{max(ms[name]):<7.2f} {base / med:9.2f}x "
+              f"{compile_s[name]:12.1f} {diff:21.2e}")
     return 0
 
 

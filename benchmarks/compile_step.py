@@ -6,12 +6,14 @@ For the compiled ways the C product kernel, the cache store and the C attention 
 opaque to the compiler; everything between them (RMSNorm, RoPE, SiLU times up, the reshapes) is PyTorch that
 Inductor fuses into generated C++ loops. Python operators (`torch.library.custom_op`) are what one writes first;
 C++ ones (`compile_step_ops.cpp`, built here with the machine's C++ compiler against PyTorch's headers) take
-Python out of each kernel call. One graph serves every layer (the weights are its inputs). All ways run the same
+Python out of each kernel call, and Inductor's `cpp_wrapper` option also generates the code that calls the
+kernels in C++ instead of Python. One graph serves every layer (the weights are its inputs). All ways run the same
 engine's layers on the same captured decode step (its hidden states, positions, slots and block tables),
 alternating round by round; reported: the median ms per step, compile time, and how far each way's last-layer
 output is from the modules' (the compiled ways round their small operations in Inductor's order: close, not equal).
 
     .venv/bin/python -m benchmarks.compile_step [--format int4] [--batch 1] [--rounds 7] [--threads 1]
+                                                [--save benchmarks/results/compile_step_1.json]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import hashlib
+import json
 import os
 import statistics
 import subprocess
@@ -39,6 +42,7 @@ from minillm.cache_dir import cache_dir
 from minillm.kernels import cpu, int4_cpu
 from minillm.kernels.cpu import paged_decode_unchecked
 from minillm.kernels.int4_cpu import Int4Weight, Int8Weight, matmul_unchecked
+from minillm.workload import cpu_model
 
 CPP_SOURCE = Path(__file__).with_name("compile_step_ops.cpp")
 
@@ -168,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="steps per way and round")
     parser.add_argument("--threads", type=int, default=1,
                         help="PyTorch CPU threads (default 1; 0 = the engine's default)")
+    parser.add_argument("--save", type=Path, default=None, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
     if args.threads:
         os.environ[threads.ENV] = str(args.threads)  # the engine sets it when built
@@ -185,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
                L.post_attention_layernorm.weight.detach(), *kv_cache.layer(i)[:2]) for i, L in enumerate(model.layers)]
     cos, sin_signed = model.rotary.cos_sin(positions, torch.float32)
 
-    def compiled_way(ops: SimpleNamespace):
-        compiled = torch.compile(layer_step(ops), dynamic=False, fullgraph=True)
+    def compiled_way(ops: SimpleNamespace, cpp_wrapper: bool = False):
+        compiled = torch.compile(layer_step(ops), dynamic=False, fullgraph=True,
+                                 options={"cpp_wrapper": cpp_wrapper})
 
         def run(x):
             for w in layers:
@@ -208,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ways = {"modules": run_modules, "compiled, Python ops": compiled_way(PYTHON_OPS)}
     if (native := cpp_ops()) is not None:
         ways["compiled, C++ ops"] = compiled_way(native)
+        ways["C++ ops, C++ wrapper"] = compiled_way(native, cpp_wrapper=True)
     ways["fused"] = run_fused
     with torch.inference_mode():
         out, compile_s = {}, {}
@@ -231,11 +238,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'way':>21} {'ms per step':>11} {'rounds min-max':>15} {'vs modules':>10} {'first call s':>12} "
           f"{'max |diff| / max |x|':>21}")
     base = statistics.median(ms["modules"])
+    rows = {}
     for name in ways:
         med = statistics.median(ms[name])
         diff = float((out[name] - ref).abs().max() / ref.abs().max())
+        rows[name] = {"ms": med, "ms_rounds": ms[name], "first_call_s": compile_s[name], "max_rel_diff": diff}
         print(f"{name:>21} {med:11.2f} {min(ms[name]):7.2f}-{max(ms[name]):<7.2f} {base / med:9.2f}x "
               f"{compile_s[name]:12.1f} {diff:21.2e}")
+    print("first call: compiling, or loading what Inductor compiled before from its cache on disk")
+    if args.save:
+        args.save.write_text(json.dumps({
+            "date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(), "cpus": os.cpu_count(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "format": args.format,
+            "batch": args.batch, "context": args.context, "rounds": args.rounds, "steps": args.steps,
+            "ways": rows}, indent=1) + "\n")
     return 0
 
 

@@ -9,12 +9,14 @@ the two agree on before they first differ. Needs `llama-cpp-python` (not a requi
 
     CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=ON" .venv/bin/pip install llama-cpp-python==0.3.36
     .venv/bin/python -m benchmarks.llamacpp [--threads 1] [--rounds 3] [--requests 16] [--compare]
+    .venv/bin/python -m benchmarks.llamacpp --paired int4 [--threads 1] [--rounds 9] [--save FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import statistics
 import sys
@@ -27,6 +29,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 from minillm import threads
 from minillm.bench import corpus_ids, make_workload
 from minillm.weights import default_gguf_path, resolve_model
+from minillm.workload import cpu_model
 
 INSTALL = 'CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=ON" .venv/bin/pip install llama-cpp-python==0.3.36'
 N_CTX = 1024  # the longest run: a chat request of 128 prompt + 256 answer tokens, or 384 prompt tokens
@@ -143,17 +146,48 @@ def measure(n_threads: int = 1, rounds: int = 3, requests: int = 16, new_tokens:
             "chat_tok_s": chat_tok_s(llm, tok, requests, rounds)["tok_s"]}
 
 
-def minillm_decode(prompt_ids: list[int], new_tokens: int = 128, rounds: int = 3) -> tuple[float, list[int]]:
-    """minillm's float32 engine on the same prompt: median decode tok/s (1 / time per output token, from the
-    request's own timing record) and its greedy tokens. Threads follow `$MINILLM_NUM_THREADS`."""
+def minillm_decode(prompt_ids: list[int], new_tokens: int = 128, rounds: int = 3,
+                   quantization: str | None = None) -> tuple[float, list[int]]:
+    """minillm's engine (float32, or `quantization`) on the same prompt: median decode tok/s (1 / time per output
+    token, from the request's own timing record) and its greedy tokens. Threads follow `$MINILLM_NUM_THREADS`."""
+    once, tokens = minillm_decoder(prompt_ids, new_tokens, quantization)
+    return statistics.median(once() for _ in range(rounds)), tokens
+
+
+def minillm_decoder(prompt_ids: list[int], new_tokens: int, quantization: str | None = None):
+    """A function timing one batch-1 greedy decode of `prompt_ids` in minillm (tok/s after the first token), warmed
+    up, and the greedy tokens. int4 runs in groups of 32, the grid of the GGUF's Q4_1 blocks."""
     from minillm import LLM, SamplingParams
     from minillm.metrics import tpot
 
-    llm = LLM(enable_prefix_caching=False)
+    llm = LLM(enable_prefix_caching=False, quantization=quantization,
+              quantization_group_size=32 if quantization == "int4" else None)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    llm.generate([prompt_ids], params, use_tqdm=False)  # warm-up
-    outs = [llm.generate([prompt_ids], params, use_tqdm=False)[0] for _ in range(rounds)]
-    return statistics.median(1 / tpot(o.metrics) for o in outs), list(outs[0].outputs[0].token_ids)
+    tokens = list(llm.generate([prompt_ids], params, use_tqdm=False)[0].outputs[0].token_ids)  # and a warm-up
+    return lambda: 1 / tpot(llm.generate([prompt_ids], params, use_tqdm=False)[0].metrics), tokens
+
+
+def paired_decode(n_threads: int, prompt_ids: list[int], new_tokens: int, rounds: int,
+                  quantization: str | None) -> dict:
+    """Batch-1 decode tok/s of llama.cpp and of minillm (float32, or `quantization`) in alternating rounds (the
+    order flipped every round), so that a machine whose speed drifts slows both alike: per-round figures and
+    the median of minillm's per-round ratio to llama.cpp."""
+    ll = load(n_threads)
+
+    def theirs_once() -> float:
+        _, times = greedy(ll, prompt_ids, new_tokens)
+        return (new_tokens - 1) / (times[-1] - times[1])
+
+    theirs_once()  # warm-up
+    ours_once, _ = minillm_decoder(prompt_ids, new_tokens, quantization)
+    ours, theirs = [], []
+    for r in range(rounds):
+        for run in ((ours_once, ours), (theirs_once, theirs))[::1 if r % 2 == 0 else -1]:
+            run[1].append(run[0]())
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    return {"threads": n_threads, "format": quantization or "float32", "new_tokens": new_tokens, "rounds": rounds,
+            "minillm_tok_s": ours, "llamacpp_tok_s": theirs, "ratio": statistics.median(ratios),
+            "ratio_low": min(ratios), "ratio_high": max(ratios)}
 
 
 def agreeing_prefix(a: list[int], b: list[int]) -> int:
@@ -168,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=16, help="requests of the chat workload")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens each decode round generates")
     parser.add_argument("--compare", action="store_true", help="also time minillm's float32 decode, same prompt")
+    parser.add_argument("--paired", choices=["float32", "int8", "int4"], default=None,
+                        help="only batch-1 decode: minillm in this format against llama.cpp, alternating rounds")
+    parser.add_argument("--save", type=Path, default=None, help="with --paired: write its figures to this JSON file")
     args = parser.parse_args(argv)
     if not available():
         print(f"llama.cpp's Python bindings are not installed; to build them for this CPU:\n  {install_hint()}")
@@ -176,6 +213,18 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"llama.cpp (llama-cpp-python {llama_cpp.__version__}) on {default_gguf_path().name}, "
           f"{args.threads} thread(s); medians of {args.rounds} rounds")
+    if args.paired:
+        os.environ.setdefault(threads.ENV, str(args.threads))
+        fmt = None if args.paired == "float32" else args.paired
+        result = paired_decode(args.threads, chat_prompt(tokenizer()), args.new_tokens, args.rounds, fmt)
+        for name, key in (("minillm " + result["format"], "minillm_tok_s"), ("llama.cpp Q4_1", "llamacpp_tok_s")):
+            print(f"  {name:16} batch-1 decode tok/s by round: " + ", ".join(f"{x:.1f}" for x in result[key]))
+        print(f"  minillm / llama.cpp: median {result['ratio']:.2f}x (rounds {result['ratio_low']:.2f}-"
+              f"{result['ratio_high']:.2f}x)")
+        if args.save:
+            args.save.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(),
+                                             "llama_cpp_python": llama_cpp.__version__, **result}, indent=1) + "\n")
+        return 0
     result = measure(args.threads, args.rounds, args.requests, args.new_tokens)
     row = "  {:38s} {:8.1f} {}".format
     print(row(f"decode, batch 1, {args.new_tokens} tokens", result["decode_tok_s"], "tok/s"))

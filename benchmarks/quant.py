@@ -11,13 +11,14 @@ Three parts (`--parts`, default all):
             parity prompts, for every weight format and KV cache format.
 
     .venv/bin/python -m benchmarks.quant [--parts products engine quality] [--rounds 3] [--threads 1]
-                                         [--ppl-tokens N] [--requests 16]
+                                         [--ppl-tokens N] [--requests 16] [--save engine.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import sys
@@ -35,6 +36,7 @@ from minillm.bench import corpus_ids, make_workload, run_minillm
 from minillm.metrics import tpot
 from minillm.perplexity import greedy_agreement, perplexity
 from minillm.roofline import decode_linears, time_median
+from minillm.workload import cpu_model
 
 FORMATS = {"float32": {}, "int8": dict(quantization="int8"),
            "int8 G=32": dict(quantization="int8", quantization_group_size=32),
@@ -107,7 +109,8 @@ def engine_figures(llm: LLM, prompt: list[int], long_prompt: list[int], work, ro
     return {"decode_tok_s": decode, "prefill_tok_s": prefill, "chat_tok_s": chat["output_tokens"] / chat["seconds"]}
 
 
-def engine(rounds: int, requests: int) -> None:
+def engine(rounds: int, requests: int, save: Path | None = None) -> None:
+    """The engine part (see the module's docstring); `save`: also write its figures there as JSON."""
     tok = llamacpp.tokenizer()
     prompt, long_prompt = llamacpp.chat_prompt(tok), corpus_ids(tok)[:384]
     work = make_workload("chat", requests, tok)
@@ -137,6 +140,10 @@ def engine(rounds: int, requests: int) -> None:
     if lc:
         print(f"  target int4 decode >= 2x llama.cpp Q4_1 decode:   {int4['decode_tok_s'] / lc['decode_tok_s']:.2f}x")
         print(f"  target int4 chat ({requests} at once) >= 3x llama.cpp: {int4['chat_tok_s'] / lc['chat_tok_s']:.2f}x")
+    if save:
+        save.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(), "cpus": os.cpu_count(),
+                                    "threads": torch.get_num_threads(), "rounds": rounds, "requests": requests,
+                                    "results": results}, indent=1) + "\n")
 
 
 def quality(ppl_tokens: int | None) -> None:
@@ -177,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=16, help="requests of the chat workload")
     parser.add_argument("--ppl-tokens", type=int, default=None, help="score only the text's first N tokens")
     parser.add_argument("--threads", type=int, default=1, help="PyTorch CPU threads (0 = the engine's default)")
+    parser.add_argument("--save", type=Path, default=None, help="write the engine part's figures to this JSON file")
     args = parser.parse_args(argv)
     if args.threads:
         os.environ[threads.ENV] = str(args.threads)
@@ -186,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         products(llm, args.batches, args.rounds, args.group_size)
         del llm
     if "engine" in args.parts:
-        engine(args.rounds, args.requests)
+        engine(args.rounds, args.requests, args.save)
     if "quality" in args.parts:
         quality(args.ppl_tokens)
     return 0

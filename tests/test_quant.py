@@ -151,7 +151,9 @@ def test_keep_list_and_bad_names(tiny_llama):
 def test_default_model_quantized_logits_stay_close():
     """On the real model: int8's next-token scores stay close to float32's. The published matrices come from a
     GGUF file quantized to 4 bits in groups of 32 (its embedding to 8 bits), so int4 in groups of 32 with the
-    embedding and head kept in float32 almost coincides with float32; quantizing those too costs more."""
+    embedding and head kept in float32 almost coincides with float32; quantizing those too costs more. (The
+    activations are still rounded to int8, and the last bits of the arithmetic decide some of those roundings:
+    with every RMSNorm gain moved by one ulp, the first cosine ranged over 0.99975 to 0.99990 in twelve draws.)"""
     from minillm import LLM
 
     prompt = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
@@ -159,12 +161,14 @@ def test_default_model_quantized_logits_stay_close():
     base = llm.engine.next_token_logits(prompt)
     quant.quantize_model(llm.engine.model, "int4", 32, keep=("embed_tokens", "lm_head"))
     cosine = torch.nn.functional.cosine_similarity
-    assert cosine(llm.engine.next_token_logits(prompt), base, dim=0) >= 0.9999
+    kept = cosine(llm.engine.next_token_logits(prompt), base, dim=0)
+    assert kept >= 0.9995
     for method, group_size, least in (("int8", None, 0.999), ("int8", 32, 0.9995), ("int4", 32, 0.99)):
         llm = LLM(enable_prefix_caching=False, num_kv_blocks=64, quantization=method,
                   quantization_group_size=group_size)
         logits = llm.engine.next_token_logits(prompt)
         assert cosine(logits, base, dim=0) >= least, method
         assert logits.argmax() == base.argmax()
+    assert kept > cosine(logits, base, dim=0)  # int4 with its embedding and head in int8 too: further off
     with pytest.raises(ValueError, match="group size 128 must divide the 576 inputs"):
         LLM(quantization="int4", quantization_group_size=128)

@@ -59,12 +59,20 @@ def _build(source: Path, directory: Path) -> Path:
     return library
 
 
+def build_and_load(source: Path) -> ctypes.CDLL | None:
+    """The C file `source` compiled for this machine (cached) and loaded, or None where it cannot be built (no
+    compiler, not Linux/glibc)."""
+    try:
+        return ctypes.CDLL(str(_build(source, cache_dir() / "kernels")))
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 @functools.cache
 def _library():
-    """The compiled kernels, or None when they cannot be built here (no compiler, not Linux/glibc)."""
-    try:
-        lib = ctypes.CDLL(str(_build(SOURCE, cache_dir() / "kernels")))
-    except (OSError, subprocess.CalledProcessError):
+    """The compiled kernels, or None when they cannot be built here."""
+    lib = build_and_load(SOURCE)
+    if lib is None:
         return None
     lib.paged_decode_f32.restype = lib.paged_decode_i8.restype = None
     lib.paged_decode_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]

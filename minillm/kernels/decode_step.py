@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..cache_dir import cache_dir
-from .cpu import _build
+from .cpu import build_and_load
 from .int4_cpu import Int4Weight, Int8Weight, _weight_args
 
 SOURCE = Path(__file__).with_name("decode_step.c")
@@ -45,10 +43,9 @@ class _Model(ctypes.Structure):
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The step built for this machine, or None where it cannot be built (no compiler, not Linux/glibc)."""
-    try:
-        lib = ctypes.CDLL(str(_build(SOURCE, cache_dir() / "kernels")))
-    except (OSError, subprocess.CalledProcessError):
+    """The step built for this machine, or None where it cannot be built."""
+    lib = build_and_load(SOURCE)
+    if lib is None:
         return None
     lib.decode_step_f32.restype = None
     lib.decode_step_f32.argtypes = [ctypes.POINTER(_Model), ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 \

@@ -10,23 +10,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import subprocess
 from pathlib import Path
 
 import torch
 
-from ..cache_dir import cache_dir
-from .cpu import _build
+from .cpu import build_and_load
 
 SOURCE = Path(__file__).with_name("small_ops.c")
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The operations built for this machine, or None where they cannot be built (no compiler, not Linux/glibc)."""
-    try:
-        lib = ctypes.CDLL(str(_build(SOURCE, cache_dir() / "kernels")))
-    except (OSError, subprocess.CalledProcessError):
+    """The operations built for this machine, or None where they cannot be built."""
+    lib = build_and_load(SOURCE)
+    if lib is None:
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.rms_norm_f32.argtypes = [ptr, i64, ptr, ctypes.c_float, i64, i64, ptr]

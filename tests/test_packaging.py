@@ -38,6 +38,7 @@ from minillm.bench import WORKLOADS, corpus_ids, make_workload
 from minillm.kernels import reference, use_cpu_kernel
 from minillm.kernels.cpu import SOURCE as DECODE_SOURCE, paged_decode_attention
 from minillm.kernels.int4_cpu import SOURCE as INT4_SOURCE, int4_cpu_available, int4_matmul_cpu, pack_int4_cpu
+from minillm.kernels.small_ops import SOURCE as SMALL_SOURCE, small_ops_available
 from minillm.quant_formats import dequantize_int4, quantize_int4
 
 # the installed copy, with no trace of the repository's editable install
@@ -47,12 +48,13 @@ assert str(repo) not in sys.path, sys.path
 assert not any("editable" in repr(finder) for finder in sys.meta_path), sys.meta_path
 
 # the C sources ship beside the kernels, compile into the cache, and are chosen and correct
-for source in (DECODE_SOURCE, INT4_SOURCE):
+for source in (DECODE_SOURCE, INT4_SOURCE, SMALL_SOURCE):
     assert source.parent == package / "kernels" and source.is_file(), source
 assert use_cpu_kernel("cpu", torch.float32), "the C decode kernel did not build"
 assert int4_cpu_available(), "the C int4 kernel did not build"
+assert small_ops_available(), "the C small operations did not build"
 built = {lib.name.rsplit("_", 1)[0] for lib in (cache / "kernels").glob("*.so")}
-assert built == {"paged_decode", "int4_matmul"}, built
+assert built == {"paged_decode", "int4_matmul", "small_ops"}, built
 
 gen = torch.Generator().manual_seed(0)
 q = torch.randn(2, 4, 16, generator=gen)
@@ -131,7 +133,7 @@ def test_installed_wheel_builds_its_kernels_and_reads_only_itself():
         wheel = build_wheel(tmp)
         names = zipfile.ZipFile(wheel).namelist()
         for data in ("minillm/kernels/paged_decode.c", "minillm/kernels/int4_matmul.c", "minillm/kernels/decode_step.c",
-                     "minillm/data/eval_text.md"):
+                     "minillm/kernels/small_ops.c", "minillm/data/eval_text.md"):
             assert data in names, f"{data} is not in the wheel"
         python = fresh_venv(tmp / "venv", wheel)
         build_tokenizer(tmp / "tokenizer")

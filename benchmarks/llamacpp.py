@@ -96,6 +96,13 @@ def greedy(llm, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], list
 
 def decode_tok_s(llm, prompt_ids: list[int], new_tokens: int = 128, rounds: int = 5) -> float:
     """Batch-1 greedy decode, tokens per second after the first token (time per output token inverted)."""
+    once = decoder(llm, prompt_ids, new_tokens)
+    return statistics.median(once() for _ in range(rounds))
+
+
+def decoder(llm, prompt_ids: list[int], new_tokens: int):
+    """A function timing one batch-1 greedy decode of `prompt_ids` in llama.cpp (tok/s after the first token),
+    warmed up."""
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be at least 2 to time decoding, got {new_tokens}")
 
@@ -104,7 +111,7 @@ def decode_tok_s(llm, prompt_ids: list[int], new_tokens: int = 128, rounds: int 
         return (new_tokens - 1) / (times[-1] - times[1])
 
     once()  # warm-up
-    return statistics.median(once() for _ in range(rounds))
+    return once
 
 
 def prefill_tok_s(llm, prompt_ids: list[int], rounds: int = 5) -> float:
@@ -172,18 +179,12 @@ def paired_decode(n_threads: int, prompt_ids: list[int], new_tokens: int, rounds
     """Batch-1 decode tok/s of llama.cpp and of minillm (float32, or `quantization`) in alternating rounds (the
     order flipped every round), so that a machine whose speed drifts slows both alike: per-round figures and
     the median of minillm's per-round ratio to llama.cpp."""
-    ll = load(n_threads)
-
-    def theirs_once() -> float:
-        _, times = greedy(ll, prompt_ids, new_tokens)
-        return (new_tokens - 1) / (times[-1] - times[1])
-
-    theirs_once()  # warm-up
+    theirs_once = decoder(load(n_threads), prompt_ids, new_tokens)
     ours_once, _ = minillm_decoder(prompt_ids, new_tokens, quantization)
     ours, theirs = [], []
     for r in range(rounds):
-        for run in ((ours_once, ours), (theirs_once, theirs))[::1 if r % 2 == 0 else -1]:
-            run[1].append(run[0]())
+        for once, into in ((ours_once, ours), (theirs_once, theirs))[::1 if r % 2 == 0 else -1]:
+            into.append(once())
     ratios = [a / b for a, b in zip(ours, theirs)]
     return {"threads": n_threads, "format": quantization or "float32", "new_tokens": new_tokens, "rounds": rounds,
             "minillm_tok_s": ours, "llamacpp_tok_s": theirs, "ratio": statistics.median(ratios),

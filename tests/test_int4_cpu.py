@@ -3,6 +3,7 @@ kernels, and themselves built for each instruction set this machine runs (AVX512
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import platform
 
@@ -159,7 +160,7 @@ def test_each_instruction_set(flags, isa, tmp_path, monkeypatch):
     """The same source built without AVX512 (the AVX2 path, where the CPU has it) and without AVX2 (plain C),
     int8 also with codes -128 and 127 in long runs, where AVX2's 16-bit pair sums come closest to saturating."""
     monkeypatch.setattr(cpu, "COMPILE_FLAGS", cpu.COMPILE_FLAGS + flags)
-    lib = int4_cpu._load(cpu._build(int4_cpu.SOURCE, tmp_path))
+    lib = int4_cpu._declare(ctypes.CDLL(str(cpu._build(int4_cpu.SOURCE, tmp_path))))
     monkeypatch.setattr(int4_cpu, "_library", lambda: lib)
     if int4_cpu_isa() != isa:
         pytest.skip(f"this CPU builds {int4_cpu_isa()} with {flags}")

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..cache_dir import cache_dir
-from .cpu import _build
+from .cpu import build_and_load
 
 SOURCE = Path(__file__).with_name("int4_matmul.c")
 ROWS = 16  # weight rows per tile of the kernel's layout
@@ -63,9 +61,8 @@ class Int8Weight:
         return self.q.nbytes + self.scale.nbytes
 
 
-def _load(path: Path) -> ctypes.CDLL:
-    """The compiled library at `path`, its functions' signatures declared."""
-    lib = ctypes.CDLL(str(path))
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib`, the compiled kernel, with its functions' signatures declared."""
     lib.quant_matmul_f32.restype = None
     lib.quant_matmul_f32.argtypes = ([ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
                                      + [ctypes.c_void_p] * 3 + [ctypes.c_int64])
@@ -77,10 +74,8 @@ def _load(path: Path) -> ctypes.CDLL:
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The library built for this machine, or None when it cannot be built here (no compiler, not Linux/glibc)."""
-    try:
-        return _load(_build(SOURCE, cache_dir() / "kernels"))
-    except (OSError, subprocess.CalledProcessError):
-        return None
+    lib = build_and_load(SOURCE)
+    return None if lib is None else _declare(lib)
 
 
 def int4_cpu_available() -> bool:

@@ -157,6 +157,27 @@ def time_median(fn: Callable[[], object], device: torch.device | str = "cpu", re
     return statistics.median(times)
 
 
+def time_interleaved(fns: Sequence[Callable[[], object]], device: torch.device | str = "cpu", repeats: int = 10,
+                     warmup: int = 2) -> list[list[float]]:
+    """Wall times in seconds of each of `fns`, `repeats` calls each, called in turn (the order rotating every
+    repeat), so that every function sees the same machine: a slow spell slows all of them, not one."""
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times, order = [[] for _ in fns], list(range(len(fns)))
+    for r in range(repeats):
+        shift = r % len(fns)
+        for i in order[shift:] + order[:shift]:
+            sync()
+            start = time.perf_counter()
+            fns[i]()
+            sync()
+            times[i].append(time.perf_counter() - start)
+    return times
+
+
 def measure_bandwidth(kind: str = "triad", nbytes: int | None = None, device=None, repeats: int = 10) -> float:
     """Memory bandwidth in bytes/s from a STREAM-like kernel on arrays of `nbytes` each (far beyond any cache).
 

@@ -135,6 +135,15 @@ def test_measurements_are_positive_and_checked():
         rl.measure_bandwidth("scale", nbytes=1 << 20)
 
 
+def test_interleaved_timing_takes_turns():
+    calls = []
+    fns = [lambda i=i: calls.append(i) for i in range(3)]
+    times = rl.time_interleaved(fns, repeats=3, warmup=1)
+    assert [len(t) for t in times] == [3, 3, 3] and all(t >= 0 for ts in times for t in ts)
+    # one warm-up round in order, then each repeat starts one function later
+    assert calls == [0, 1, 2, 0, 1, 2, 1, 2, 0, 2, 0, 1]
+
+
 def test_cache_bandwidth_rereads_a_small_working_set():
     small = rl.measure_cache_bandwidth(1 << 14, device="cpu", read_bytes=1 << 22, repeats=3)
     assert math.isfinite(small) and small > 1e8

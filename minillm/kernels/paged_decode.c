@@ -47,9 +47,10 @@ static void softmax_rows(float *scores, float *os, int64_t num_heads, int64_t le
 
 /* One sequence over a float32 pool: its query heads `qs` [heads, dim] against the first `len` cached tokens, into
  * `os` [heads, dim], with `scores` [heads, len] as scratch. */
-static void decode_seq_f32(const float *qs, const float *k_cache, const float *v_cache, const int32_t *table,
-                           int64_t len, float *os, float *scores, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size, float scale) {
+static inline __attribute__((always_inline)) void decode_seq_f32_dim(
+        const float *qs, const float *k_cache, const float *v_cache, const int32_t *table, int64_t len, float *os,
+        float *scores, int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim, int64_t block_size,
+        float scale) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim; /* floats per cache slot: every KV head of one token */
     /* Slot by slot, all heads at once: each slot's row is read whole and in order, which the hardware prefetcher
@@ -57,19 +58,33 @@ static void decode_seq_f32(const float *qs, const float *k_cache, const float *v
     for (int64_t t = 0; t < len; t++) {
         if (t + AHEAD_SLOTS < len) prefetch_bytes(k_cache + slot(table, t + AHEAD_SLOTS, block_size) * row, row * 4);
         const float *k = k_cache + slot(table, t, block_size) * row;
-        for (int64_t h = 0; h < num_heads; h++)
-            scores[h * len + t] = scale * dot(qs + h * head_dim, k + (h / group) * head_dim, head_dim);
+        for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) /* each key vector for every query head of its group */
+            for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
+                scores[h * len + t] = scale * dot(qs + h * head_dim, k + kvh * head_dim, head_dim);
     }
     softmax_rows(scores, os, num_heads, len, head_dim);
     for (int64_t t = 0; t < len; t++) {
         if (t + AHEAD_SLOTS < len) prefetch_bytes(v_cache + slot(table, t + AHEAD_SLOTS, block_size) * row, row * 4);
         const float *v = v_cache + slot(table, t, block_size) * row;
-        for (int64_t h = 0; h < num_heads; h++) {
-            const float p = scores[h * len + t], *vh = v + (h / group) * head_dim;
-            float *o = os + h * head_dim;
-            for (int64_t d = 0; d < head_dim; d++) o[d] += p * vh[d];
-        }
+        for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
+            for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
+                const float p = scores[h * len + t], *vh = v + kvh * head_dim;
+                float *o = os + h * head_dim;
+                for (int64_t d = 0; d < head_dim; d++) o[d] += p * vh[d];
+            }
     }
+}
+
+/* decode_seq_f32_dim, with fixed-length loops the compiler unrolls for the common head size. */
+static void decode_seq_f32(const float *qs, const float *k_cache, const float *v_cache, const int32_t *table,
+                           int64_t len, float *os, float *scores, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, float scale) {
+    if (head_dim == 64)
+        decode_seq_f32_dim(qs, k_cache, v_cache, table, len, os, scores, num_heads, num_kv_heads, 64, block_size,
+                           scale);
+    else
+        decode_seq_f32_dim(qs, k_cache, v_cache, table, len, os, scores, num_heads, num_kv_heads, head_dim,
+                           block_size, scale);
 }
 
 void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,

@@ -24,10 +24,13 @@ __attribute__((noinline)) static void rms_norm_row(const float *x, const float *
  * signed sin's first half negated (layers.signed_sin); out may be x. */
 __attribute__((noinline)) static void rope_row(const float *x, const float *cos, const float *sin_signed,
                                                int64_t heads, int64_t d, float *out) {
+    const int64_t half = d / 2;
     float h[d];
     for (int64_t j = 0; j < heads; j++) {
         memcpy(h, x + j * d, sizeof(float) * d);
-        for (int64_t i = 0; i < d; i++) out[j * d + i] = h[i] * cos[i] + h[(i + d / 2) % d] * sin_signed[i];
+        float *o = out + j * d;
+        for (int64_t i = 0; i < half; i++) o[i] = h[i] * cos[i] + h[i + half] * sin_signed[i]; /* the roll: */
+        for (int64_t i = half; i < d; i++) o[i] = h[i] * cos[i] + h[i - half] * sin_signed[i]; /* two halves */
     }
 }
 

@@ -6,7 +6,10 @@ prefilled; then rounds alternate the two ways of stepping the same engine (the f
 the modules of `model.py`, `model.use_fused_step = False`), each engine step followed at once by one bare step
 (`matvec_step(model, batch)`: the model's own products and head for `[batch, in]` inputs, nothing else).
 Reported: median ms per step, bare/step (the paired median of the per-step ratios, with its quartiles) and the
-fused step's speed-up, which is layer-by-layer time over fused time, paired by round.
+fused step's speed-up, which is layer-by-layer time over fused time, paired by round. Also the bytes a step
+reads: its weights (what the bare step reads too) and its KV cache (what attention reads, and the bare step does
+not); weights / (weights + KV) is the share the products would have if every byte moved at the same speed, a
+bound on bare/fused for a step that is bound by its reads.
 
     .venv/bin/python -m benchmarks.fused_step [--formats int4 int8] [--batches 1 16 32] [--threads 1]
 """
@@ -26,7 +29,8 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 from benchmarks.decode_batch import paired_steps, prefill
 from minillm import LLM, threads
-from minillm.roofline import matvec_step
+from minillm.kv_cache import kv_bytes_per_token
+from minillm.roofline import matvec_step, step_weight_bytes
 
 TARGET = 0.85  # bare/step of the fused step at batch 16 and 32
 
@@ -49,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.get_num_threads() if not args.threads else args.threads} threads; context {args.context}; "
           f"{args.rounds} rounds of {args.steps} paired steps per way; ms per step (medians)")
     print(f"{'format':>6} {'batch':>5} {'fused':>7} {'modules':>8} {'bare':>7} {'bare/fused':>17} "
-          f"{'bare/modules':>17} {'speed-up':>8} {'fused tok/s':>11}")
+          f"{'bare/modules':>17} {'speed-up':>8} {'fused tok/s':>11} {'weights MB':>10} {'KV MB':>6} "
+          f"{'bytes bound':>11}")
     misses = []
     for fmt in args.formats:
         llm = LLM(quantization=fmt, quantization_group_size=args.group_size, max_num_seqs=max(args.batches),
@@ -61,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for batch in args.batches:
             ids = prefill(engine, batch, args.context, gen)
+            weights_mb = step_weight_bytes(model) / 1e6
+            kv_mb = sum(s.num_cached_tokens + 1 for s in engine.scheduler.running) * kv_bytes_per_token(
+                engine.config, engine.kv_cache.dtype.itemsize) / 1e6  # at the first step; ~10 % more by the last
             bare = matvec_step(model, batch)
             times = {True: ([], []), False: ([], [])}  # fused? -> (step times, bare times)
             speedups = []
@@ -86,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             fused_ms, modules_ms = (1e3 * statistics.median(times[f][0]) for f in (True, False))
             bare_ms = 1e3 * statistics.median(times[True][1] + times[False][1])
             print(f"{fmt:>6} {batch:5d} {fused_ms:7.2f} {modules_ms:8.2f} {bare_ms:7.2f} {cells[0]:>17} "
-                  f"{cells[1]:>17} {statistics.median(speedups):7.2f}x {1e3 * batch / fused_ms:11.1f}", flush=True)
+                  f"{cells[1]:>17} {statistics.median(speedups):7.2f}x {1e3 * batch / fused_ms:11.1f} "
+                  f"{weights_mb:10.1f} {kv_mb:6.1f} {weights_mb / (weights_mb + kv_mb):11.2f}", flush=True)
             ratio = statistics.median(b / e for e, b in zip(*times[True]))
             if batch in (16, 32) and ratio < TARGET:
                 misses.append(f"{fmt} batch {batch}")

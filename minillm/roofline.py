@@ -256,6 +256,13 @@ def matvec_step(model, batch: int = 1) -> Callable[[], None]:
     return step
 
 
+def step_weight_bytes(model) -> int:
+    """Bytes of weights one decode step of `model` reads, as stored (float or quantized): each linear layer of
+    `decode_linears` once, and the head once."""
+    head = model.lm_head if model.lm_head is not None else model.embed_tokens
+    return sum(m.nbytes if hasattr(m, "nbytes") else m.weight.nbytes for m in decode_linears(model) + [head])
+
+
 def engine_and_bare(engine, prompt_ids: list[int], tokens: int, bare: Callable[[], None]
                     ) -> tuple[list[float], list[float]]:
     """Seconds of each batch-1 decode step of `engine` (an `LLMEngine`) over `tokens` new tokens, each step

@@ -12,6 +12,7 @@ not); weights / (weights + KV) is the share the products would have if every byt
 bound on bare/fused for a step that is bound by its reads.
 
     .venv/bin/python -m benchmarks.fused_step [--formats int4 int8] [--batches 1 16 32] [--threads 1]
+                                              [--kv-cache-dtype int8]
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 from benchmarks.decode_batch import paired_steps, prefill
 from minillm import LLM, threads
-from minillm.kv_cache import kv_bytes_per_token
 from minillm.roofline import matvec_step, step_weight_bytes
 
 TARGET = 0.85  # bare/step of the fused step at batch 16 and 32
@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=None, help="inputs per scale (default: the format's)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32])
     parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                        help="the cache's format: float32 (auto) or int8 with a scale per vector")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=6, help="paired decode steps per way and round")
     parser.add_argument("--threads", type=int, default=1,
@@ -51,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     steps_per_request = 2 * args.rounds * (args.steps + 2) + max(args.batches) * args.context // 2048 + 8
     blocks = int(1.1 * max(args.batches) * (args.context + steps_per_request) / 16) + 64
     print(f"{torch.get_num_threads() if not args.threads else args.threads} threads; context {args.context}; "
+          f"{args.kv_cache_dtype if args.kv_cache_dtype != 'auto' else 'float32'} KV cache; "
           f"{args.rounds} rounds of {args.steps} paired steps per way; ms per step (medians)")
     print(f"{'format':>6} {'batch':>5} {'fused':>7} {'modules':>8} {'bare':>7} {'bare/fused':>17} "
           f"{'bare/modules':>17} {'speed-up':>8} {'fused tok/s':>11} {'weights MB':>10} {'KV MB':>6} "
@@ -58,17 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     misses = []
     for fmt in args.formats:
         llm = LLM(quantization=fmt, quantization_group_size=args.group_size, max_num_seqs=max(args.batches),
-                  enable_prefix_caching=False, num_kv_blocks=blocks)
+                  enable_prefix_caching=False, num_kv_blocks=blocks, kv_cache_dtype=args.kv_cache_dtype)
         engine, gen = llm.engine, torch.Generator().manual_seed(0)
         model = engine.model
         if model.fused_decode(engine.kv_cache) is None:
-            print(f"{fmt}: no fused step here (the C kernels need a vector path and a float32 cache)")
+            print(f"{fmt}: no fused step here (the C kernels need a vector path)")
             continue
         for batch in args.batches:
             ids = prefill(engine, batch, args.context, gen)
             weights_mb = step_weight_bytes(model) / 1e6
-            kv_mb = sum(s.num_cached_tokens + 1 for s in engine.scheduler.running) * kv_bytes_per_token(
-                engine.config, engine.kv_cache.dtype.itemsize) / 1e6  # at the first step; ~10 % more by the last
+            cache = engine.kv_cache  # bytes per token: every layer's K and V (and their scales in an int8 pool)
+            per_token = cache.nbytes / (cache.num_blocks * cache.block_size)
+            kv_mb = sum(s.num_cached_tokens + 1 for s in engine.scheduler.running) * per_token / 1e6  # first step
             bare = matvec_step(model, batch)
             times = {True: ([], []), False: ([], [])}  # fused? -> (step times, bare times)
             speedups = []

@@ -149,8 +149,8 @@ class CausalLM(nn.Module):
     def fused_decode(self, kv_cache) -> FusedDecodeStep | None:
         """This model's decode step as one C call over `kv_cache` (`kernels/decode_step.py`), or None where it does
         not apply. It needs every layer's four products in the C kernel's int4/int8 layouts (a model quantized on
-        a CPU with that kernel), without biases, a dense MLP, the whole model in this process, a float32 cache, and
-        the C kernels built. Built at the first call for a cache, and again when the layers were replaced since."""
+        a CPU with that kernel), without biases, a dense MLP, the whole model in this process, a float32 or int8 cache,
+        and the C kernels built. Built at the first call for a cache, and again when the layers were replaced since."""
         qkv = self.layers[0].self_attn.qkv_proj
         if self._fused is None or self._fused[0] is not kv_cache or self._fused[1] is not qkv:
             self._fused = (kv_cache, qkv, _fused_decode_step(self, kv_cache))
@@ -198,7 +198,7 @@ def _fused_decode_step(model: CausalLM, kv_cache) -> FusedDecodeStep | None:
     """`CausalLM.fused_decode`'s step, built from the model's layers, or None when they do not allow one."""
     from .kernels.decode_step import FusedDecodeStep, LayerWeights, decode_step_available
 
-    if (model.ctx is not None or kv_cache.quantized or kv_cache.k.dtype != torch.float32
+    if (model.ctx is not None or kv_cache.k.dtype not in (torch.float32, torch.int8)
             or model.rotary.cos.dtype != torch.float32 or not all(isinstance(layer.mlp, MLP) for layer in model.layers)):
         return None
     products = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
@@ -209,7 +209,7 @@ def _fused_decode_step(model: CausalLM, kv_cache) -> FusedDecodeStep | None:
     layers = [LayerWeights(*(p.kernel for p in four), layer.input_layernorm.weight.detach(),
                            layer.post_attention_layernorm.weight.detach())
               for four, layer in zip(products, model.layers)]
-    caches = [kv_cache.layer(i)[:2] for i in range(len(model.layers))]
+    caches = [kv_cache.layer(i) for i in range(len(model.layers))]
     attn = model.layers[0].self_attn
     return FusedDecodeStep(layers, caches, model.rotary.cos, model.rotary.sin_signed, model.config.rms_norm_eps,
                            attn.num_heads, attn.num_kv_heads)

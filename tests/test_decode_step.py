@@ -39,12 +39,15 @@ def decode_outputs(llm, prompts, tokens, fused):
     return [o.outputs[0].token_ids for o in outs], outputs
 
 
-@pytest.mark.parametrize("method,group_size", [("int4", 32), ("int4", 64), ("int8", None), ("int8", 32)])
-def test_fused_step_equals_the_modules_on_a_tiny_model(tiny_llama, method, group_size):
+@pytest.mark.parametrize("method,group_size,kv", [("int4", 32, "auto"), ("int4", 64, "auto"), ("int8", None, "auto"),
+                                                  ("int8", 32, "auto"), ("int4", 32, "int8"), ("int8", None, "int8")])
+def test_fused_step_equals_the_modules_on_a_tiny_model(tiny_llama, method, group_size, kv):
     """Step by step, the same tokens and bit for bit the same hidden states: both ways run the same compiled code
-    for every operation (`small_ops.c` and the two kernels), only the calls between them differ."""
+    for every operation (`small_ops.c` and the two kernels), only the calls between them differ; over an int8
+    cache too, whose vectors the fused step rounds as PyTorch's `quantize_kv` does."""
     llm = LLM(tiny_llama, device="cpu", dtype=torch.float32, num_kv_blocks=64, block_size=4,
-              enable_prefix_caching=False, quantization=method, quantization_group_size=group_size)
+              enable_prefix_caching=False, quantization=method, quantization_group_size=group_size,
+              kv_cache_dtype=kv)
     assert llm.engine.model.fused_decode(llm.engine.kv_cache) is not None
     ids, fused = decode_outputs(llm, PROMPTS, 6, True)
     ref_ids, modules = decode_outputs(llm, PROMPTS, 6, False)
@@ -53,25 +56,29 @@ def test_fused_step_equals_the_modules_on_a_tiny_model(tiny_llama, method, group
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 
-def test_fused_step_writes_the_cache_the_modules_write(tiny_llama):
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_fused_step_writes_the_cache_the_modules_write(tiny_llama, kv):
     """After the same requests, every layer's cache holds the same keys (rotated) and values either way, bit for
-    bit (the blocks are handed out in the same order)."""
+    bit (the blocks are handed out in the same order); in an int8 cache, the same codes and the same scales."""
     pools = []
     for fused in (True, False):
         llm = LLM(tiny_llama, device="cpu", dtype=torch.float32, num_kv_blocks=64, block_size=4,
-                  enable_prefix_caching=False, quantization="int4", quantization_group_size=32)
+                  enable_prefix_caching=False, quantization="int4", quantization_group_size=32, kv_cache_dtype=kv)
         llm.engine.model.use_fused_step = fused
         llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
-        pools.append(torch.stack((llm.engine.kv_cache.k, llm.engine.kv_cache.v)))
-    assert torch.equal(pools[0], pools[1])
+        pools.append([t.clone() for t in llm.engine.kv_cache.layer(0) + llm.engine.kv_cache.layer(1)])
+    assert len(pools[0]) == (4 if kv == "auto" else 8)
+    assert all(torch.equal(a, b) for a, b in zip(*pools))
 
 
 @requires_default_model
 @pytest.mark.slow
-def test_fused_step_gives_the_default_model_s_tokens():
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_fused_step_gives_the_default_model_s_tokens(kv):
     """16 prompts decoded together, 8 tokens each: the same tokens fused as layer by layer, and every decode
-    step's output bit for bit the same."""
-    llm = LLM(device="cpu", dtype=torch.float32, enable_prefix_caching=False, quantization="int4")
+    step's output bit for bit the same, over a float32 cache and over an int8 one."""
+    llm = LLM(device="cpu", dtype=torch.float32, enable_prefix_caching=False, quantization="int4",
+              kv_cache_dtype=kv)
     ids = llm.get_tokenizer()(eval_text()).input_ids
     prompts = [ids[i * 37:i * 37 + 20 + i] for i in range(16)]
     (fused, fused_x), (modules, modules_x) = (decode_outputs(llm, prompts, 8, f) for f in (True, False))
@@ -81,7 +88,7 @@ def test_fused_step_gives_the_default_model_s_tokens():
 
 def test_where_the_fused_step_does_not_apply_the_engine_steps_layer_by_layer(tiny_llama, monkeypatch):
     args = dict(device="cpu", dtype=torch.float32, num_kv_blocks=32, block_size=4)
-    for kwargs in ({}, dict(quantization="fp8"), dict(quantization="int4", kv_cache_dtype="int8")):
+    for kwargs in ({}, dict(quantization="fp8"), dict(quantization="int4", kv_cache_dtype="fp8")):
         llm = LLM(tiny_llama, **args, **kwargs)
         assert llm.engine.model.fused_decode(llm.engine.kv_cache) is None, kwargs
         assert len(llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids) == 3
@@ -96,9 +103,14 @@ def test_fused_step_checks_what_it_is_built_from(tiny_llama):
     step = model.fused_decode(cache)
     layers, caches, cos, sin = step._keep
     heads = model.layers[0].self_attn.num_heads, model.layers[0].self_attn.num_kv_heads
-    with pytest.raises(ValueError, match="one \\(k, v\\) cache pair per layer"):
+    with pytest.raises(ValueError, match="one cache per layer"):
         FusedDecodeStep(layers, caches[:1], cos, sin, 1e-5, *heads)
-    with pytest.raises(ValueError, match="float32 pool"):
+    with pytest.raises(ValueError, match="float32 \\(k, v\\) or int8"):
         FusedDecodeStep(layers, [(k.half(), v) for k, v in caches], cos, sin, 1e-5, *heads)
+    with pytest.raises(ValueError, match="int8 \\(k, v, k_scale, v_scale\\)"):
+        FusedDecodeStep(layers, [(k.to(torch.int8), v.to(torch.int8)) for k, v in caches], cos, sin, 1e-5, *heads)
+    with pytest.raises(ValueError, match="v scales must be contiguous torch.float32"):
+        FusedDecodeStep(layers, [(k.to(torch.int8), v.to(torch.int8), k[..., 0].contiguous(), k[..., :2])
+                                 for k, v in caches], cos, sin, 1e-5, *heads)
     with pytest.raises(ValueError, match="expected"):
         FusedDecodeStep([replace(layers[0], qkv=layers[0].gate_up)] + layers[1:], caches, cos, sin, 1e-5, *heads)

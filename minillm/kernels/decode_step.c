@@ -6,7 +6,8 @@
  * into the rounding of that product's input to int8 (RMSNorm, SiLU times up, attention's output), and RoPE into
  * the cache store.
  *   weights  int4_matmul.c's layouts (int4 in groups, or int8 per channel or in groups)
- *   cache    a float32 paged pool per layer, [blocks, block_size, kv_heads, head_dim] for keys and for values
+ *   cache    a paged pool per layer, [blocks, block_size, kv_heads, head_dim] for keys and for values: float32, or
+ *            int8 with a float32 scale per vector (one token, one KV head), [blocks, block_size, kv_heads] each
  *   x        [m, hidden] float32, the embeddings on entry and the last layer's output on return (in place)
  * One OpenMP team runs the whole step: its threads split each product's tiles of output rows (every weight byte is
  * read once), the rows of x and the sequences of attention, with a barrier between phases. Built by
@@ -16,12 +17,28 @@
 #include "paged_decode.c"
 #include "small_ops.c"
 
-/* One decoder layer: its four products, its two RMSNorm gains and its cache pools. */
+#include <float.h>
+
+/* One decoder layer: its four products, its two RMSNorm gains and its cache pools (float32; or int8, with the
+ * scales k_scale and v_scale, NULL for a float32 pool). */
 typedef struct {
     Weight qkv, o, gate_up, down;
     const float *input_norm, *post_norm;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;
+    float *k_scale, *v_scale;
 } Layer;
+
+/* One vector of d values into an int8 pool slot and its scale, as minillm.quant_formats.quantize_int8 rounds it
+ * (the largest magnitude on 127, round half to even, clamped): compiled without -ffast-math's reciprocals, so
+ * that the division is the one PyTorch does and the cache holds the same codes whichever path stored them. */
+__attribute__((optimize("no-fast-math"))) static void store_int8(const float *x, int64_t d, int8_t *q,
+                                                                   float *scale) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < d; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float s = fmaxf(amax / 127.0f, FLT_MIN);
+    for (int64_t i = 0; i < d; i++) q[i] = (int8_t)fminf(fmaxf(rintf(x[i] / s), -127.0f), 127.0f);
+    *scale = s;
+}
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, block_size;
@@ -61,16 +78,30 @@ void decode_step_f32(const Model *md, float *x, int64_t m, const int64_t *positi
                 float *h = qkv + i * qkv_width;
                 const float *cos = md->cos + positions[i] * d, *sin = md->sin_signed + positions[i] * d;
                 rope_row(h, cos, sin, heads + kv_heads, d, h);
-                memcpy(L->k_cache + slots[i] * kv_width, h + q_width, sizeof(float) * kv_width);
-                memcpy(L->v_cache + slots[i] * kv_width, h + q_width + kv_width, sizeof(float) * kv_width);
+                if (L->k_scale == NULL) {
+                    memcpy((float *)L->k_cache + slots[i] * kv_width, h + q_width, sizeof(float) * kv_width);
+                    memcpy((float *)L->v_cache + slots[i] * kv_width, h + q_width + kv_width,
+                           sizeof(float) * kv_width);
+                } else
+                    for (int64_t j = 0; j < kv_heads; j++) {
+                        const int64_t at = slots[i] * kv_heads + j;
+                        store_int8(h + q_width + j * d, d, (int8_t *)L->k_cache + at * d, L->k_scale + at);
+                        store_int8(h + q_width + kv_width + j * d, d, (int8_t *)L->v_cache + at * d,
+                                   L->v_scale + at);
+                    }
             }
 #pragma omp barrier
 #pragma omp for schedule(dynamic)
             for (int64_t i = 0; i < m; i++) { /* attention, a sequence at a time; then its output rounded to int8 */
                 float *scores = malloc(sizeof(float) * heads * context_lens[i]);
-                decode_seq_f32(qkv + i * qkv_width, L->k_cache, L->v_cache, block_tables + i * max_blocks,
-                               context_lens[i], att + i * q_width, scores, heads, kv_heads, d, md->block_size,
-                               md->scale);
+                if (L->k_scale == NULL)
+                    decode_seq_f32(qkv + i * qkv_width, L->k_cache, L->v_cache, block_tables + i * max_blocks,
+                                   context_lens[i], att + i * q_width, scores, heads, kv_heads, d, md->block_size,
+                                   md->scale);
+                else
+                    decode_seq_i8(qkv + i * qkv_width, L->k_cache, L->v_cache, L->k_scale, L->v_scale,
+                                  block_tables + i * max_blocks, context_lens[i], att + i * q_width, scores, heads,
+                                  kv_heads, d, md->block_size, md->scale);
                 free(scores);
                 quantize_row(&to_o, att + i * q_width, i, L->o.g);
             } /* (an omp for ends in a barrier) */

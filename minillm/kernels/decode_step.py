@@ -4,8 +4,8 @@ cache store, attention and SwiGLU for a batch of sequences that each decode one 
 At batch 1 on a CPU the int4 products take about half of a decode step; the rest is a few hundred small PyTorch
 operations and the Python between them, each paying its dispatch and its trip through cold caches. Fusing them
 leaves a step that is its products plus the few microseconds of arithmetic between them. The layers' weights must
-be in the C product kernel's layouts (`int4_cpu.Int4Weight`, `Int8Weight`) and the cache a float32 pool; the
-model decides when that holds (`minillm.model.CausalLM.fused_decode`), and the unfused modules stay the reference.
+be in the C product kernel's layouts (`int4_cpu.Int4Weight`, `Int8Weight`) and the cache a float32 pool or an
+int8 one with a scale per vector (a quarter of the bytes for attention to read); the model decides when that holds (`minillm.model.CausalLM.fused_decode`), and the unfused modules stay the reference.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ class _Weight(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight),
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p)]
 
 
 class _Model(ctypes.Structure):
@@ -76,21 +77,23 @@ def _weight(w: Int4Weight | Int8Weight) -> _Weight:
 
 
 class FusedDecodeStep:
-    """The decode step of a model whose layers are `layers`, over the float32 pools `caches` (one `(k, v)` pair of
-    `[blocks, block_size, kv_heads, head_dim]` per layer), with RoPE tables `cos` and `sin_signed` `[positions,
-    head_dim]` (`layers.RotaryEmbedding`'s). Call it on the embeddings of one new token per sequence."""
+    """The decode step of a model whose layers are `layers`, over the pools `caches`, one per layer: `(k, v)`,
+    float32 `[blocks, block_size, kv_heads, head_dim]` each, or `(k, v, k_scale, v_scale)`, int8 pools with float32
+    scales `[blocks, block_size, kv_heads]` (`kv_cache.KVCache.layer`'s); with RoPE tables `cos` and `sin_signed`
+    `[positions, head_dim]` (`layers.RotaryEmbedding`'s). Call it on the embeddings of one new token per sequence."""
 
-    def __init__(self, layers: list[LayerWeights], caches: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor,
+    def __init__(self, layers: list[LayerWeights], caches: list[tuple[torch.Tensor, ...]], cos: torch.Tensor,
                  sin_signed: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int):
         if _library() is None:
             raise RuntimeError("the fused decode step could not be built here (is a C compiler installed?)")
         if not layers or len(caches) != len(layers):
-            raise ValueError(f"give one (k, v) cache pair per layer: {len(layers)} layers, {len(caches)} pairs")
+            raise ValueError(f"give one cache per layer: {len(layers)} layers, {len(caches)} caches")
         blocks, block_size, kv_heads, head_dim = caches[0][0].shape
+        pool = caches[0][0].dtype  # float32, or int8 with scales
         hidden = layers[0].qkv.in_features
         q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
         inter = layers[0].down.in_features
-        for i, (layer, (k, v)) in enumerate(zip(layers, caches)):
+        for i, (layer, cache) in enumerate(zip(layers, caches)):
             shapes = {"qkv": (layer.qkv, q_width + 2 * kv_width, hidden), "o": (layer.o, hidden, q_width),
                       "gate_up": (layer.gate_up, 2 * inter, hidden), "down": (layer.down, hidden, inter)}
             for name, (w, n, k_in) in shapes.items():
@@ -98,11 +101,15 @@ class FusedDecodeStep:
                 if (w.out_features, w.in_features, w.group_size) != (n, k_in, first.group_size):
                     raise ValueError(f"layer {i}'s {name} is {w.out_features}x{w.in_features} in groups of "
                                      f"{w.group_size}; expected {n}x{k_in} in groups of {first.group_size}")
-            for name, t in (("k cache", k), ("v cache", v)):
-                if t.dtype != torch.float32 or not t.is_contiguous() or t.shape != (blocks, block_size, num_kv_heads,
-                                                                                    head_dim):
-                    raise ValueError(f"layer {i}'s {name} must be a contiguous float32 pool shaped "
-                                     f"{(blocks, block_size, num_kv_heads, head_dim)}, got {tuple(t.shape)} {t.dtype}")
+            if pool not in (torch.float32, torch.int8) or len(cache) != (2 if pool == torch.float32 else 4):
+                raise ValueError(f"layer {i}'s cache must be float32 (k, v) or int8 (k, v, k_scale, v_scale) pools, "
+                                 f"got {len(cache)} tensors of {pool}")
+            pools = (blocks, block_size, num_kv_heads, head_dim)
+            for name, t, dtype, shape in zip(("k cache", "v cache", "k scales", "v scales"), cache,
+                                             (pool, pool, torch.float32, torch.float32), (pools, pools, pools[:3], pools[:3])):
+                if t.dtype != dtype or not t.is_contiguous() or t.shape != shape:
+                    raise ValueError(f"layer {i}'s {name} must be contiguous {dtype} shaped {shape}, "
+                                     f"got {tuple(t.shape)} {t.dtype}")
             for name, t in (("input_norm", layer.input_norm), ("post_norm", layer.post_norm)):
                 if t.dtype != torch.float32 or not t.is_contiguous() or t.shape != (hidden,):
                     raise ValueError(f"layer {i}'s {name} gain must be a contiguous float32 [{hidden}]")
@@ -114,7 +121,8 @@ class FusedDecodeStep:
         self._keep = (layers, caches, cos, sin_signed)  # the tensors behind the pointers below
         self._layers = (_Layer * len(layers))(*[
             _Layer(_weight(w.qkv), _weight(w.o), _weight(w.gate_up), _weight(w.down), w.input_norm.data_ptr(),
-                   w.post_norm.data_ptr(), k.data_ptr(), v.data_ptr()) for w, (k, v) in zip(layers, caches)])
+                   w.post_norm.data_ptr(), *(t.data_ptr() for t in cache), *(None,) * (4 - len(cache)))
+            for w, cache in zip(layers, caches)])
         self._model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, block_size, eps,
                              head_dim ** -0.5, self._layers, cos.data_ptr(), sin_signed.data_ptr())
 

@@ -103,7 +103,7 @@ void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache
 
 /* One sequence over an int8 pool: each key and value vector is widened to float once, for every query head of
  * its group; a key's scale multiplies its dot products, a value's scale its widened copy. */
-static inline __attribute__((always_inline)) void decode_seq_i8(
+static inline __attribute__((always_inline)) void decode_seq_i8_dim(
         const float *qs, const int8_t *k_cache, const int8_t *v_cache, const float *k_scale, const float *v_scale,
         const int32_t *table, int64_t len, float *os, float *scores, int64_t num_heads, int64_t num_kv_heads,
         const int64_t head_dim, int64_t block_size, float scale) {
@@ -139,6 +139,19 @@ static inline __attribute__((always_inline)) void decode_seq_i8(
     }
 }
 
+/* decode_seq_i8_dim, with fixed-length loops the compiler unrolls for the common head size. */
+static void decode_seq_i8(const float *qs, const int8_t *k_cache, const int8_t *v_cache, const float *k_scale,
+                          const float *v_scale, const int32_t *table, int64_t len, float *os, float *scores,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                          float scale) {
+    if (head_dim == 64)
+        decode_seq_i8_dim(qs, k_cache, v_cache, k_scale, v_scale, table, len, os, scores, num_heads, num_kv_heads,
+                          64, block_size, scale);
+    else
+        decode_seq_i8_dim(qs, k_cache, v_cache, k_scale, v_scale, table, len, os, scores, num_heads, num_kv_heads,
+                          head_dim, block_size, scale);
+}
+
 void paged_decode_i8(const float *q, const int8_t *k_cache, const int8_t *v_cache, const float *k_scale,
                      const float *v_scale, const int32_t *block_tables, const int32_t *context_lens, float *out,
                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -147,15 +160,8 @@ void paged_decode_i8(const float *q, const int8_t *k_cache, const int8_t *v_cach
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t len = context_lens[s];
         float *scores = malloc(sizeof(float) * num_heads * len);
-        const float *qs = q + s * q_stride;
-        float *os = out + s * num_heads * head_dim;
-        const int32_t *table = block_tables + s * max_blocks;
-        if (head_dim == 64) /* the common size: fixed-length loops the compiler unrolls */
-            decode_seq_i8(qs, k_cache, v_cache, k_scale, v_scale, table, len, os, scores, num_heads, num_kv_heads, 64,
-                          block_size, scale);
-        else
-            decode_seq_i8(qs, k_cache, v_cache, k_scale, v_scale, table, len, os, scores, num_heads, num_kv_heads,
-                          head_dim, block_size, scale);
+        decode_seq_i8(q + s * q_stride, k_cache, v_cache, k_scale, v_scale, block_tables + s * max_blocks, len,
+                      out + s * num_heads * head_dim, scores, num_heads, num_kv_heads, head_dim, block_size, scale);
         free(scores);
     }
 }

@@ -5,7 +5,8 @@ At batch 1 on a CPU the int4 products take about half of a decode step; the rest
 operations and the Python between them, each paying its dispatch and its trip through cold caches. Fusing them
 leaves a step that is its products plus the few microseconds of arithmetic between them. The layers' weights must
 be in the C product kernel's layouts (`int4_cpu.Int4Weight`, `Int8Weight`) and the cache a float32 pool or an
-int8 one with a scale per vector (a quarter of the bytes for attention to read); the model decides when that holds (`minillm.model.CausalLM.fused_decode`), and the unfused modules stay the reference.
+int8 one with a scale per vector (a quarter of the bytes for attention to read); the model decides when that
+holds (`minillm.model.CausalLM.fused_decode`), and the unfused modules stay the reference.
 """
 
 from __future__ import annotations
@@ -105,8 +106,8 @@ class FusedDecodeStep:
                 raise ValueError(f"layer {i}'s cache must be float32 (k, v) or int8 (k, v, k_scale, v_scale) pools, "
                                  f"got {len(cache)} tensors of {pool}")
             pools = (blocks, block_size, num_kv_heads, head_dim)
-            for name, t, dtype, shape in zip(("k cache", "v cache", "k scales", "v scales"), cache,
-                                             (pool, pool, torch.float32, torch.float32), (pools, pools, pools[:3], pools[:3])):
+            wanted = ((pool, pools), (pool, pools), (torch.float32, pools[:3]), (torch.float32, pools[:3]))
+            for name, t, (dtype, shape) in zip(("k cache", "v cache", "k scales", "v scales"), cache, wanted):
                 if t.dtype != dtype or not t.is_contiguous() or t.shape != shape:
                     raise ValueError(f"layer {i}'s {name} must be contiguous {dtype} shaped {shape}, "
                                      f"got {tuple(t.shape)} {t.dtype}")

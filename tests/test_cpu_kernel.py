@@ -1,10 +1,13 @@
 """The C decode kernel against the PyTorch decode path it replaces, and the engine's choice between them."""
 
+import ctypes
+import platform
+
 import pytest
 import torch
 
 from minillm.attention import _Part, decode_attention, quantize_kv
-from minillm.kernels import use_cpu_kernel
+from minillm.kernels import cpu, use_cpu_kernel
 from minillm.kernels.cpu import cpu_kernel_available, paged_decode_attention
 
 pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="no C compiler to build the kernel with")
@@ -30,8 +33,11 @@ def test_matches_torch_decode(batch, heads, kv_heads, dim, block_size, max_len):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("batch,heads,kv_heads,dim,block_size,max_len", [
-    (1, 9, 3, 64, 16, 1), (7, 9, 3, 64, 16, 100), (3, 8, 1, 128, 8, 61), (16, 4, 2, 16, 1, 9)])
+INT8_CASES = [(1, 9, 3, 64, 16, 1), (7, 9, 3, 64, 16, 100), (3, 8, 2, 64, 16, 40), (2, 10, 2, 64, 8, 70),
+              (4, 6, 6, 64, 16, 33), (3, 8, 1, 128, 8, 61), (16, 4, 2, 16, 1, 9)]  # groups of 3, 4, 5, 1 at 64 wide
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,dim,block_size,max_len", INT8_CASES)
 def test_int8_pool_matches_torch_decode(batch, heads, kv_heads, dim, block_size, max_len):
     """An int8 pool with a scale per vector: the kernel dequantizes as it reads, PyTorch after gathering."""
     q, k_float, v_float, tables, lens = paged_case(batch + max_len, batch, heads, kv_heads, dim, block_size, max_len)
@@ -39,6 +45,16 @@ def test_int8_pool_matches_torch_decode(batch, heads, kv_heads, dim, block_size,
     expected = decode_attention(q, k_cache, v_cache, _Part(tables, lens, [1] * batch), dim ** -0.5, k_scale, v_scale)
     got = paged_decode_attention(q, k_cache, v_cache, tables, lens, dim ** -0.5, k_scale, v_scale)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set flags")
+def test_int8_pool_without_avx512(tmp_path, monkeypatch):
+    """The same source built without AVX-512, where 64-wide heads take the plain C loops, not the registers."""
+    monkeypatch.setattr(cpu, "COMPILE_FLAGS", cpu.COMPILE_FLAGS + ["-mno-avx512f"])
+    lib = cpu._declare(ctypes.CDLL(str(cpu._build(cpu.SOURCE, tmp_path))))
+    monkeypatch.setattr(cpu, "_library", lambda: lib)
+    for batch, heads, kv_heads, dim, block_size, max_len in INT8_CASES:
+        test_int8_pool_matches_torch_decode(batch, heads, kv_heads, dim, block_size, max_len)
 
 
 def test_int8_pool_needs_its_scales():

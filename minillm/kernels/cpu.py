@@ -68,16 +68,19 @@ def build_and_load(source: Path) -> ctypes.CDLL | None:
         return None
 
 
+def _declare(lib: ctypes.CDLL | None) -> ctypes.CDLL | None:
+    """The attention kernels' signatures on a loaded build of SOURCE."""
+    if lib is not None:
+        lib.paged_decode_f32.restype = lib.paged_decode_i8.restype = None
+        lib.paged_decode_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
+        lib.paged_decode_i8.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
+    return lib
+
+
 @functools.cache
 def _library():
     """The compiled kernels, or None when they cannot be built here."""
-    lib = build_and_load(SOURCE)
-    if lib is None:
-        return None
-    lib.paged_decode_f32.restype = lib.paged_decode_i8.restype = None
-    lib.paged_decode_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
-    lib.paged_decode_i8.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
-    return lib
+    return _declare(build_and_load(SOURCE))
 
 
 def cpu_kernel_available() -> bool:

@@ -30,13 +30,18 @@ typedef struct {
 
 /* One vector of d values into an int8 pool slot and its scale, as minillm.quant_formats.quantize_int8 rounds it
  * (the largest magnitude on 127, round half to even, clamped): compiled without -ffast-math's reciprocals, so
- * that the division is the one PyTorch does and the cache holds the same codes whichever path stored them. */
+ * that the division is the one PyTorch does and the cache holds the same codes whichever path stored them. The
+ * maxima and the clamp are comparisons, which give fmaxf's and fminf's results (a NaN loses to a number) and,
+ * unlike those without -ffast-math, are not calls into libm. */
 __attribute__((optimize("no-fast-math"))) static void store_int8(const float *x, int64_t d, int8_t *q,
                                                                    float *scale) {
     float amax = 0.0f;
-    for (int64_t i = 0; i < d; i++) amax = fmaxf(amax, fabsf(x[i]));
-    const float s = fmaxf(amax / 127.0f, FLT_MIN);
-    for (int64_t i = 0; i < d; i++) q[i] = (int8_t)fminf(fmaxf(rintf(x[i] / s), -127.0f), 127.0f);
+    for (int64_t i = 0; i < d; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float s = amax / 127.0f > FLT_MIN ? amax / 127.0f : FLT_MIN;
+    for (int64_t i = 0; i < d; i++) {
+        const float r = rintf(x[i] / s), low = r > -127.0f ? r : -127.0f;
+        q[i] = (int8_t)(low < 127.0f ? low : 127.0f);
+    }
     *scale = s;
 }
 

@@ -8,10 +8,15 @@
  * Every query head of a sequence is handled in the same pass, so each key and value row is read from
  * memory once per sequence, not once per query head. paged_decode_i8 reads an int8 pool instead, each
  * vector (one token, one KV head) with a float32 scale, k_scale and v_scale [blocks, block_size, kv_heads]:
- * a quarter of the bytes, dequantized in registers as they are read. */
+ * a quarter of the bytes, dequantized in registers as they are read; where the compiler targets AVX-512,
+ * 64-wide heads go a KV head at a time instead (each cache line is still read once), so that its query heads'
+ * queries and outputs stay in registers. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 /* Slots to prefetch ahead: blocks lie anywhere in the pool, so the hardware cannot guess the next. */
 #define AHEAD_SLOTS 4
@@ -139,17 +144,110 @@ static inline __attribute__((always_inline)) void decode_seq_i8_dim(
     }
 }
 
-/* decode_seq_i8_dim, with fixed-length loops the compiler unrolls for the common head size. */
+#if defined(__AVX512F__)
+/* One cache line a slot of a pool block: the 64 bytes of one KV head's vector, `offset` bytes into each row. */
+static inline void prefetch_block(const int8_t *cache, int64_t block, int64_t block_size, int64_t row, int64_t offset) {
+    for (int64_t u = 0; u < block_size; u++) __builtin_prefetch(cache + (block * block_size + u) * row + offset);
+}
+
+/* One int8 vector of 64 values (a key or a value of one head), widened to four registers of floats. */
+static inline void widen64(const int8_t *v, __m512 f[4]) {
+    for (int j = 0; j < 4; j++)
+        f[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(v + 16 * j))));
+}
+
+/* The lane sums of four registers, as the four floats of the result: one tree of adds and shuffles for all four
+ * instead of a chain per register, which is what made each dot product costly when summed on its own. */
+static inline __m128 lane_sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E)); /* each 128-bit lane now holds one register's partials */
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xB1));
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8,
+                                                                         4, 0), s));
+}
+
+/* decode_seq_i8_dim for 64-wide heads with AVX-512: a KV head at a time, up to four of its query heads at a time
+ * held in registers while the context streams past, so that their scores' partial sums are reduced together and
+ * their outputs accumulate in registers rather than in memory. Each output is summed over the context in the same
+ * order as decode_seq_i8_dim's; only the scores' dot products are summed in another order. */
+static void decode_seq_i8_64(const float *qs, const int8_t *k_cache, const int8_t *v_cache, const float *k_scale,
+                             const float *v_scale, const int32_t *table, int64_t len, float *os, float *scores,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t block_size, float scale) {
+    const int64_t group = num_heads / num_kv_heads, row = num_kv_heads * 64;
+    for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
+        for (int64_t h0 = kvh * group; h0 < (kvh + 1) * group; h0 += 4) {
+            const int64_t n = (kvh + 1) * group - h0 < 4 ? (kvh + 1) * group - h0 : 4; /* query heads in this pass */
+            __m512 q[4][4], acc[4][4], f[4];
+            for (int64_t hh = 0; hh < 4; hh++)
+                for (int j = 0; j < 4; j++) {
+                    q[hh][j] = hh < n ? _mm512_loadu_ps(qs + (h0 + hh) * 64 + 16 * j) : _mm512_setzero_ps();
+                    acc[hh][j] = _mm512_setzero_ps();
+                }
+            prefetch_block(k_cache, table[0], block_size, row, kvh * 64);
+            for (int64_t t0 = 0; t0 < len; t0 += block_size) { /* a block at a time: no division per token */
+                const int64_t first = (int64_t)table[t0 / block_size] * block_size;
+                const int64_t count = len - t0 < block_size ? len - t0 : block_size;
+                if (t0 + block_size < len) /* the next block's vectors of this head, while this block is summed */
+                    prefetch_block(k_cache, table[t0 / block_size + 1], block_size, row, kvh * 64);
+                for (int64_t u = 0; u < count; u++) {
+                    const int64_t i = first + u, t = t0 + u;
+                    widen64(k_cache + i * row + kvh * 64, f);
+                    __m512 p[4];
+                    for (int64_t hh = 0; hh < 4; hh++) {
+                        p[hh] = _mm512_mul_ps(q[hh][0], f[0]);
+                        for (int j = 1; j < 4; j++) p[hh] = _mm512_fmadd_ps(q[hh][j], f[j], p[hh]);
+                    }
+                    float s[4];
+                    _mm_storeu_ps(s, _mm_mul_ps(_mm_set1_ps(scale * k_scale[i * num_kv_heads + kvh]),
+                                                lane_sums4(p[0], p[1], p[2], p[3])));
+                    for (int64_t hh = 0; hh < n; hh++) scores[(h0 + hh) * len + t] = s[hh];
+                }
+            }
+            prefetch_block(v_cache, table[0], block_size, row, kvh * 64);
+            softmax_rows(scores + h0 * len, os + h0 * 64, n, len, 64);
+            for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+                const int64_t first = (int64_t)table[t0 / block_size] * block_size;
+                const int64_t count = len - t0 < block_size ? len - t0 : block_size;
+                if (t0 + block_size < len) prefetch_block(v_cache, table[t0 / block_size + 1], block_size, row, kvh * 64);
+                for (int64_t u = 0; u < count; u++) {
+                    const int64_t i = first + u, t = t0 + u;
+                    widen64(v_cache + i * row + kvh * 64, f);
+                    const __m512 vs = _mm512_set1_ps(v_scale[i * num_kv_heads + kvh]);
+                    for (int j = 0; j < 4; j++) f[j] = _mm512_mul_ps(vs, f[j]);
+                    for (int64_t hh = 0; hh < n; hh++) {
+                        const __m512 w = _mm512_set1_ps(scores[(h0 + hh) * len + t]);
+                        for (int j = 0; j < 4; j++) acc[hh][j] = _mm512_fmadd_ps(w, f[j], acc[hh][j]);
+                    }
+                }
+            }
+            for (int64_t hh = 0; hh < n; hh++)
+                for (int j = 0; j < 4; j++) _mm512_storeu_ps(os + (h0 + hh) * 64 + 16 * j, acc[hh][j]);
+        }
+}
+#endif
+
+/* One sequence over an int8 pool; 64-wide heads take decode_seq_i8_64 where the compiler targets AVX-512. */
 static void decode_seq_i8(const float *qs, const int8_t *k_cache, const int8_t *v_cache, const float *k_scale,
                           const float *v_scale, const int32_t *table, int64_t len, float *os, float *scores,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                           float scale) {
-    if (head_dim == 64)
+#if defined(__AVX512F__)
+    if (head_dim == 64) {
+        decode_seq_i8_64(qs, k_cache, v_cache, k_scale, v_scale, table, len, os, scores, num_heads, num_kv_heads,
+                         block_size, scale);
+        return;
+    }
+#else
+    if (head_dim == 64) { /* fixed-length loops the compiler unrolls */
         decode_seq_i8_dim(qs, k_cache, v_cache, k_scale, v_scale, table, len, os, scores, num_heads, num_kv_heads,
                           64, block_size, scale);
-    else
-        decode_seq_i8_dim(qs, k_cache, v_cache, k_scale, v_scale, table, len, os, scores, num_heads, num_kv_heads,
-                          head_dim, block_size, scale);
+        return;
+    }
+#endif
+    decode_seq_i8_dim(qs, k_cache, v_cache, k_scale, v_scale, table, len, os, scores, num_heads, num_kv_heads,
+                      head_dim, block_size, scale);
 }
 
 void paged_decode_i8(const float *q, const int8_t *k_cache, const int8_t *v_cache, const float *k_scale,

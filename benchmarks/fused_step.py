@@ -12,13 +12,12 @@ not); weights / (weights + KV) is the share the products would have if every byt
 bound on bare/fused for a step that is bound by its reads.
 
     .venv/bin/python -m benchmarks.fused_step [--formats int4 int8] [--batches 1 16 32] [--threads 1]
-                                              [--kv-cache-dtype int8]
+                                              [--kv-cache-dtype int8] [--save FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -29,7 +28,8 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.decode_batch import paired_steps, prefill
-from minillm import LLM, threads
+from benchmarks.record import add_threads_option, save_json, use_threads
+from minillm import LLM
 from minillm.roofline import matvec_step, step_weight_bytes
 
 TARGET = 0.85  # bare/step of the fused step at batch 16 and 32
@@ -45,11 +45,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the cache's format: float32 (auto) or int8 with a scale per vector")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=6, help="paired decode steps per way and round")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="PyTorch CPU threads (default 1; 0 = the engine's default)")
+    add_threads_option(parser)
+    parser.add_argument("--save", type=Path, default=None, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
-    if args.threads:
-        os.environ[threads.ENV] = str(args.threads)  # the engine sets it when built
+    use_threads(args)
     steps_per_request = 2 * args.rounds * (args.steps + 2) + max(args.batches) * args.context // 2048 + 8
     blocks = int(1.1 * max(args.batches) * (args.context + steps_per_request) / 16) + 64
     print(f"{torch.get_num_threads() if not args.threads else args.threads} threads; context {args.context}; "
@@ -58,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'format':>6} {'batch':>5} {'fused':>7} {'modules':>8} {'bare':>7} {'bare/fused':>17} "
           f"{'bare/modules':>17} {'speed-up':>8} {'fused tok/s':>11} {'weights MB':>10} {'KV MB':>6} "
           f"{'bytes bound':>11}")
-    misses = []
+    misses, rows = [], []
     for fmt in args.formats:
         llm = LLM(quantization=fmt, quantization_group_size=args.group_size, max_num_seqs=max(args.batches),
                   enable_prefix_caching=False, num_kv_blocks=blocks, kv_cache_dtype=args.kv_cache_dtype)
@@ -101,10 +100,19 @@ def main(argv: list[str] | None = None) -> int:
                   f"{cells[1]:>17} {statistics.median(speedups):7.2f}x {1e3 * batch / fused_ms:11.1f} "
                   f"{weights_mb:10.1f} {kv_mb:6.1f} {weights_mb / (weights_mb + kv_mb):11.2f}", flush=True)
             ratio = statistics.median(b / e for e, b in zip(*times[True]))
+            rows.append({"format": fmt, "batch": batch, "fused_ms": fused_ms, "modules_ms": modules_ms,
+                         "bare_ms": bare_ms, "bare_over_fused": ratio,
+                         "bare_over_modules": statistics.median(b / e for e, b in zip(*times[False])),
+                         "speedup": statistics.median(speedups), "weights_mb": weights_mb, "kv_mb": kv_mb})
             if batch in (16, 32) and ratio < TARGET:
                 misses.append(f"{fmt} batch {batch}")
         del llm, engine, model
-    print(f"target bare/fused >= {TARGET} at batch 16 and 32: {'met' if not misses else f'missed: {misses}'}")
+    if any(batch in (16, 32) for batch in args.batches):
+        print(f"target bare/fused >= {TARGET} at batch 16 and 32: {'met' if not misses else f'missed: {misses}'}")
+    if args.save:
+        save_json(args.save, threads=torch.get_num_threads(), torch=torch.__version__, context=args.context,
+                  kv_cache_dtype=args.kv_cache_dtype, group_size=args.group_size, rounds=args.rounds,
+                  steps=args.steps, rows=rows)
     return 0
 
 

@@ -34,8 +34,8 @@ import httpx
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.record import save_json
 from benchmarks.serving import ServerProcess
-from minillm.workload import cpu_model
 
 BEFORE = "a97433e"  # the server of chapter 8 before admission control
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,9 +123,7 @@ def main() -> None:
                 table.append({"abuse": abuse, "server": name, "abuse_status": status, "abuse_s": med[2],
                               "health_s": med[0], "probe_s": med[1], "probe_s_rounds": [r[1] for r in rows]})
         if args.save:
-            meta = {"before": args.before, "threads": args.threads, "cpus": os.cpu_count(), "rounds": args.rounds,
-                    "date": time.strftime("%Y-%m-%d"), "cpu": cpu_model()}
-            Path(args.save).write_text(json.dumps({**meta, "results": table}, indent=1) + "\n")
+            save_json(args.save, before=args.before, threads=args.threads, rounds=args.rounds, results=table)
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], capture_output=True)
 

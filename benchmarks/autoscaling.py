@@ -40,8 +40,8 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 import numpy as np
 
+from benchmarks.record import save_json
 from minillm.bench import corpus_ids, first_model, run_http
-from minillm.workload import cpu_model
 from minillm.engine_args import EngineArgs
 from minillm.serving.ray_app import RayService
 from minillm.weights import resolve_model
@@ -195,11 +195,9 @@ def main() -> int:
         print(describe(results[-1]), flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(), "cpus": os.cpu_count(),
-                                         "day_s": args.day_s, "peak_rate": args.peak_rate,
-                                         "night_rate": args.night_rate, "prompt_tokens": args.prompt_tokens,
-                                         "max_tokens": args.max_tokens, "requests": len(arrivals),
-                                         "results": results}, indent=1) + "\n")
+        save_json(args.json, day_s=args.day_s, peak_rate=args.peak_rate, night_rate=args.night_rate,
+                  prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, requests=len(arrivals),
+                  results=results)
     return 0
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import hashlib
-import json
 import os
 import statistics
 import subprocess
@@ -37,12 +36,12 @@ from torch.utils import cpp_extension
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minillm import LLM, SamplingParams, threads
+from benchmarks.record import add_threads_option, save_json, use_threads
+from minillm import LLM, SamplingParams
 from minillm.cache_dir import cache_dir
 from minillm.kernels import cpu, int4_cpu
 from minillm.kernels.cpu import paged_decode_unchecked
 from minillm.kernels.int4_cpu import Int4Weight, Int8Weight, matmul_unchecked
-from minillm.workload import cpu_model
 
 CPP_SOURCE = Path(__file__).with_name("compile_step_ops.cpp")
 
@@ -170,12 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=20, help="steps per way and round")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="PyTorch CPU threads (default 1; 0 = the engine's default)")
+    add_threads_option(parser)
     parser.add_argument("--save", type=Path, default=None, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
-    if args.threads:
-        os.environ[threads.ENV] = str(args.threads)  # the engine sets it when built
+    use_threads(args)
     llm = LLM(quantization=args.format, quantization_group_size=32, enable_prefix_caching=False,
               max_num_seqs=args.batch)
     model = llm.engine.model
@@ -247,11 +244,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{compile_s[name]:12.1f} {diff:21.2e}")
     print("first call: compiling, or loading what Inductor compiled before from its cache on disk")
     if args.save:
-        args.save.write_text(json.dumps({
-            "date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(), "cpus": os.cpu_count(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "format": args.format,
-            "batch": args.batch, "context": args.context, "rounds": args.rounds, "steps": args.steps,
-            "ways": rows}, indent=1) + "\n")
+        save_json(args.save, threads=torch.get_num_threads(), torch=torch.__version__, format=args.format,
+                  batch=args.batch, context=args.context, rounds=args.rounds, steps=args.steps, ways=rows)
     return 0
 
 

@@ -15,7 +15,6 @@ values, the floor an unpaged cache would give.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -27,7 +26,8 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minillm import LLM, SamplingParams, threads
+from benchmarks.record import add_threads_option, use_threads
+from minillm import LLM, SamplingParams
 from minillm.attention import _Part, cpu_decode_attention, decode_attention, quantize_kv
 from minillm.roofline import matvec_step
 
@@ -112,11 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[64, 512])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     parser.add_argument("--steps", type=int, default=12, help="paired decode steps per (context, batch)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="PyTorch CPU threads (default 1; 0 = the engine's default, all cores but one)")
+    add_threads_option(parser)
     args = parser.parse_args(argv)
-    if args.threads:
-        os.environ[threads.ENV] = str(args.threads)  # the engine sets it when built
+    use_threads(args)
 
     prefill_steps = max(args.batches) * max(args.contexts) // 2048 + 1  # steps the early requests decode meanwhile
     tokens = max(args.batches) * (max(args.contexts) + args.steps + prefill_steps + 8)

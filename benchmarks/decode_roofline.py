@@ -14,7 +14,6 @@ With `MINILLM_HUGE_PAGES=1` in the environment the weights go into 2 MiB pages (
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -25,7 +24,8 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minillm import LLM, SamplingParams, threads
+from benchmarks.record import add_threads_option, use_threads
+from minillm import LLM, SamplingParams
 from minillm.roofline import engine_and_bare, matvec_step, measure_bandwidth
 
 PROMPT = "Explain in a few sentences why generating text one token at a time is limited by memory bandwidth."
@@ -83,12 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved measurement rounds (medians over all)")
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per generate call")
     parser.add_argument("--profile", action="store_true", help="also profile the engine's decode steps")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1, as in the chapters: on a shared CPU more threads wait "
-                             "on each other at every small op; 0 = the engine's default, all cores but one)")
+    add_threads_option(parser)
     args = parser.parse_args(argv)
-    if args.threads:
-        os.environ[threads.ENV] = str(args.threads)  # the engine sets it when built
+    use_threads(args)
 
     from transformers import AutoModelForCausalLM
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -26,10 +25,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.record import save_json
 from minillm import threads
 from minillm.bench import corpus_ids, make_workload
 from minillm.weights import default_gguf_path, resolve_model
-from minillm.workload import cpu_model
 
 INSTALL = 'CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=ON" .venv/bin/pip install llama-cpp-python==0.3.36'
 N_CTX = 1024  # the longest run: a chat request of 128 prompt + 256 answer tokens, or 384 prompt tokens
@@ -223,8 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  minillm / llama.cpp: median {result['ratio']:.2f}x (rounds {result['ratio_low']:.2f}-"
               f"{result['ratio_high']:.2f}x)")
         if args.save:
-            args.save.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(),
-                                             "llama_cpp_python": llama_cpp.__version__, **result}, indent=1) + "\n")
+            save_json(args.save, llama_cpp_python=llama_cpp.__version__, **result)
         return 0
     result = measure(args.threads, args.rounds, args.requests, args.new_tokens)
     row = "  {:38s} {:8.1f} {}".format

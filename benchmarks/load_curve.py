@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -37,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.record import save_json
 from benchmarks.serving import ServerProcess
 from minillm import LLM, SamplingParams, threads
 from minillm.bench import first_model, make_workload, run_http
@@ -187,11 +187,9 @@ def main() -> None:
           f"uncapped run\n{HEADER}\n{row(top, sweep[-1])}   uncapped\n{row(top, bounded)}   capped")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(), "cpus": os.cpu_count(), "threads": args.threads,
-            "max_num_seqs": MAX_NUM_SEQS, "seconds": args.seconds, "ceiling": ceiling,
-            "alone": {"prompt_tokens": len(longest) + 1, "ttft_ms": ttft_alone, "tpot_ms": tpot_alone}, "slo": slo,
-            "sweep": sweep, "bounded": bounded}, indent=1) + "\n")
+        save_json(args.json, threads=args.threads, max_num_seqs=MAX_NUM_SEQS, seconds=args.seconds, ceiling=ceiling,
+                  alone={"prompt_tokens": len(longest) + 1, "ttft_ms": ttft_alone, "tpot_ms": tpot_alone}, slo=slo,
+                  sweep=sweep, bounded=bounded)
         print(f"wrote {args.json}")
 
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import statistics
 import sys
 import time
@@ -31,12 +29,12 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import llamacpp
-from minillm import LLM, SamplingParams, quant, quant_formats, threads
+from benchmarks.record import add_threads_option, save_json, use_threads
+from minillm import LLM, SamplingParams, quant, quant_formats
 from minillm.bench import corpus_ids, make_workload, run_minillm
 from minillm.metrics import tpot
 from minillm.perplexity import greedy_agreement, perplexity
 from minillm.roofline import decode_linears, time_median
-from minillm.workload import cpu_model
 
 FORMATS = {"float32": {}, "int8": dict(quantization="int8"),
            "int8 G=32": dict(quantization="int8", quantization_group_size=32),
@@ -141,9 +139,7 @@ def engine(rounds: int, requests: int, save: Path | None = None) -> None:
         print(f"  target int4 decode >= 2x llama.cpp Q4_1 decode:   {int4['decode_tok_s'] / lc['decode_tok_s']:.2f}x")
         print(f"  target int4 chat ({requests} at once) >= 3x llama.cpp: {int4['chat_tok_s'] / lc['chat_tok_s']:.2f}x")
     if save:
-        save.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(), "cpus": os.cpu_count(),
-                                    "threads": torch.get_num_threads(), "rounds": rounds, "requests": requests,
-                                    "results": results}, indent=1) + "\n")
+        save_json(save, threads=torch.get_num_threads(), rounds=rounds, requests=requests, results=results)
 
 
 def quality(ppl_tokens: int | None) -> None:
@@ -183,11 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=64, help="int4 group size of the products part")
     parser.add_argument("--requests", type=int, default=16, help="requests of the chat workload")
     parser.add_argument("--ppl-tokens", type=int, default=None, help="score only the text's first N tokens")
-    parser.add_argument("--threads", type=int, default=1, help="PyTorch CPU threads (0 = the engine's default)")
+    add_threads_option(parser)
     parser.add_argument("--save", type=Path, default=None, help="write the engine part's figures to this JSON file")
     args = parser.parse_args(argv)
-    if args.threads:
-        os.environ[threads.ENV] = str(args.threads)
+    use_threads(args)
     if "products" in args.parts:
         llm = LLM(enable_prefix_caching=False, num_kv_blocks=16)
         print(f"{llm.engine.device}, {torch.get_num_threads()} thread(s)")

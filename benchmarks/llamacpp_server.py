@@ -37,6 +37,7 @@ import httpx
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.record import save_json
 from minillm.bench import load_tokenizer, make_workload
 from minillm.cache_dir import cache_dir
 from minillm.weights import DEFAULT_MODEL, default_gguf_path
@@ -296,8 +297,7 @@ def main(argv: list[str] | None = None) -> int:
           "ratios are minillm / llama-server in the same round\n" + table(records))
     if args.json is not None:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        args.json.write_text(json.dumps({"settings": settings, "llama_server": str(binary), "runs": records},
-                                        indent=2) + "\n")
+        save_json(args.json, settings=settings, llama_server=str(binary), runs=records)
         print(f"saved {args.json}")
     return 0
 

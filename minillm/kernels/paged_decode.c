@@ -210,7 +210,8 @@ static void decode_seq_i8_64(const float *qs, const int8_t *k_cache, const int8_
             for (int64_t t0 = 0; t0 < len; t0 += block_size) {
                 const int64_t first = (int64_t)table[t0 / block_size] * block_size;
                 const int64_t count = len - t0 < block_size ? len - t0 : block_size;
-                if (t0 + block_size < len) prefetch_block(v_cache, table[t0 / block_size + 1], block_size, row, kvh * 64);
+                if (t0 + block_size < len)
+                    prefetch_block(v_cache, table[t0 / block_size + 1], block_size, row, kvh * 64);
                 for (int64_t u = 0; u < count; u++) {
                     const int64_t i = first + u, t = t0 + u;
                     widen64(v_cache + i * row + kvh * 64, f);

@@ -5,8 +5,9 @@ PyTorch has no attention over a paged cache, so its decode path first copies eac
 out of the pool (`index_select`) and then runs SDPA over the copy: the context is read twice and written
 once. At batch 32 that copy costs as much as the attention itself. The C kernel reads every key and value
 row where it lies, once. It is built with the machine's C compiler (`$CC`, default `cc`) for this CPU
-(`-march=native`, vectorized `expf` from glibc's libmvec) into the cache directory, and shares PyTorch's
-OpenMP runtime, so `torch.set_num_threads` sets its threads too. Without a compiler the PyTorch path runs.
+(`-march=native`, or the target `$MINILLM_CPU_MARCH` names, e.g. `x86-64-v3` for AVX2 without AVX-512, so
+one machine can check the code another CPU would run; vectorized `expf` from glibc's libmvec) into the cache
+directory, and shares PyTorch's OpenMP runtime, so `torch.set_num_threads` sets its threads too. Without a compiler the PyTorch path runs.
 An int8 pool (chapter 6's quantized KV cache) is read the same way, a quarter of the bytes, each vector
 dequantized with its scale as it is read.
 """
@@ -27,7 +28,7 @@ import torch
 from ..cache_dir import cache_dir
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+COMPILE_FLAGS = ["-O3", f"-march={os.environ.get('MINILLM_CPU_MARCH', 'native')}", "-ffast-math", "-fopenmp", "-fPIC"]
 # Linked without -ffast-math: a shared library linked with it sets flush-to-zero for the whole process.
 LINK_FLAGS = ["-shared", "-fopenmp"]
 

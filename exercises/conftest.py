@@ -1,6 +1,7 @@
 """Fixtures for the grader tests: `impl` is the code under test, `ref` the minillm reference.
 
-A submission that hands in minillm's code for a graded name (see own_code.py) fails every test at setup.
+A submission that hands in minillm's code for a graded name (see own_code.py) fails every test at setup, and
+one that opens a shipped solution (loads it by its path, reads its source) fails every test from then on.
 """
 
 from __future__ import annotations
@@ -8,13 +9,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from exercises import IMPL_ENV, stub_file
-from exercises.own_code import graded_names, not_own_code
+from exercises.own_code import graded_names, not_own_code, watch_solution_reads
 
 
 def _load(path: Path, name: str) -> ModuleType:
@@ -36,17 +38,43 @@ def ref(request) -> ModuleType:
     return module
 
 
+def _impl_file(request) -> Path:
+    """The file $MINILLM_EXERCISE_IMPL chooses: the exercise's stub (default), its reference.py, or a path."""
+    directory, choice = Path(request.module.__file__).parent, os.environ.get(IMPL_ENV, "stub")
+    if choice == "stub":
+        return stub_file(directory)
+    return directory / "reference.py" if choice == "reference" else Path(choice)
+
+
+def _fail_on(problem: str | None) -> None:
+    """Fail the test, with no traceback, when the submission is not the student's own code."""
+    if problem:
+        pytest.fail(problem, pytrace=False)
+
+
 @pytest.fixture(scope="module")
-def impl(request, ref) -> ModuleType:
+def solution_reads(request) -> Callable[[], str | None]:
+    """Watches, from before the submission loads, for a shipped solution opened by anything but the graded file."""
+    return watch_solution_reads(_impl_file(request).resolve())
+
+
+@pytest.fixture(scope="module")
+def impl(request, ref, solution_reads) -> ModuleType:
     """The implementation under test, chosen by $MINILLM_EXERCISE_IMPL: stub (default), reference, or a path.
 
     Anything but the reference must be the student's own code for every graded name.
     """
-    choice = os.environ.get(IMPL_ENV, "stub")
-    if choice == "reference":
+    if os.environ.get(IMPL_ENV, "stub") == "reference":
         return ref
-    path = stub_file(Path(request.module.__file__).parent) if choice == "stub" else Path(choice)
+    path = _impl_file(request)
     module = _load(path, "_exercise_impl")
-    if problem := not_own_code(module, path.read_text(), ref):
-        pytest.fail(problem, pytrace=False)
+    _fail_on(not_own_code(module, path.read_text(), ref) or solution_reads())
     return module
+
+
+@pytest.fixture(autouse=True)
+def no_solution_read(solution_reads) -> Iterator[None]:
+    """Fail each test, before it runs and after, once a shipped solution was opened, even inside a graded call."""
+    _fail_on(solution_reads())
+    yield
+    _fail_on(solution_reads())

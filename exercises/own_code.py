@@ -17,6 +17,10 @@ dotted names written as strings, inside functions too) and its module-level name
 usable (`minillm.config`). The check reads the loaded module and its source; it never patches anything, so a
 grader can still run minillm's code beside the student's (chapter 4 drives minillm's Scheduler with the
 student's block manager).
+
+A shipped solution run by its file leaves no name to read, so `watch_solution_reads` catches it as it opens
+the file instead: an audit hook records each file of a `solution/` folder the process opens (to load it by its
+path, run it with runpy, or read its source for exec), by its real path or as a link to one.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
+import os
 import re
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FunctionType, MethodType, ModuleType
 
@@ -33,6 +39,7 @@ MARK = "not your own code"  # every refusal starts with it; selfcheck looks for 
 MINILLM_DIR = Path(importlib.util.find_spec("minillm").origin).parent
 EXERCISES_DIR = Path(__file__).resolve().parent
 EXERCISE = r"ch\d\d_\w+"  # an exercise's directory (and package) name
+SOLUTION = rf"{EXERCISE}/solution(/.*)?"  # a shipped solution's folder or a file in it, relative to EXERCISES_DIR
 METHODS = (FunctionType, MethodType, staticmethod, classmethod, property, functools.partial)  # class-body methods
 Source = tuple[str, str]  # (module off limits, qualified name in it; "" for the module itself)
 
@@ -214,3 +221,49 @@ def not_own_code(module: ModuleType, source: str, ref: ModuleType) -> str | None
     """The first way the submission hands in code off limits for what is graded, as a one-line reason; or None."""
     problem = next(_problems(module, source, ref), None)
     return f"{MARK}: {problem}" if problem else None
+
+
+def _inode(path: str | Path) -> tuple[int, int]:
+    """(device, inode) of the file at `path`: the same for every name of one file."""
+    stat = os.stat(path)
+    return stat.st_dev, stat.st_ino
+
+
+def _solution_files(own: set[str]) -> dict[tuple[int, int], str]:
+    """The source files of the shipped solutions but those in `own`, named relative to the repository, by
+    (device, inode) so that a link to one counts as that file."""
+    files = (p for p in EXERCISES_DIR.glob("*/solution/**/*.py") if str(p) not in own
+             and re.fullmatch(SOLUTION, p.relative_to(EXERCISES_DIR).as_posix()))
+    return {_inode(p): p.relative_to(EXERCISES_DIR.parent).as_posix() for p in files}
+
+
+def _opened_solution(path: object, files: dict[tuple[int, int], str], own: set[str]) -> str | None:
+    """The shipped solution file (relative to the repository) that an opened `path` is, by its real path or as a
+    link to one of `files`; None for any other file and for those in `own`. Never raises: it runs in every open."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        return None  # a file descriptor, opened earlier by its name
+    try:
+        real = Path(os.path.realpath(os.fsdecode(path)))
+        if str(real) in own:
+            return None
+        if real.is_relative_to(EXERCISES_DIR) and re.fullmatch(SOLUTION, real.relative_to(EXERCISES_DIR).as_posix()):
+            return real.relative_to(EXERCISES_DIR.parent).as_posix()  # bytecode cached after the watch began too
+        inode = _inode(real)
+    except (OSError, ValueError):  # not a path, or no file there yet (one being created)
+        return None
+    return files.get(inode)
+
+
+def watch_solution_reads(own: Path) -> Callable[[], str | None]:
+    """Record from now on, with an audit hook, each shipped solution this process opens, whatever code asks:
+    loading one by its path (importlib, runpy, its cached bytecode) and reading its source to exec it both open
+    it. `own`, the file being graded, and its bytecode do not count. Returns the refusal once one was opened."""
+    own_files = {os.path.realpath(p) for p in (own, importlib.util.cache_from_source(str(own)))}
+    files, opened = _solution_files(own_files), []
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open" and (found := _opened_solution(args[0], files, own_files)):
+            opened.append(found)
+
+    sys.addaudithook(hook)
+    return lambda: f"{MARK}: it opens a shipped solution, {opened[0]}" if opened else None

@@ -1,9 +1,10 @@
 """Check every grader: the minillm reference must earn full marks; the untouched stub and every submission of
 code that is not the student's must earn exactly zero, each failing test saying "not your own code": a re-export
 of minillm, a copy of reference.py, an import of reference.py (`from ... import *`, and the module with each
-exported name read from it), an import of the exercise's solution if it keeps one, and each file in
-`chNN_name/refused/` (required where reference.py declares FORBIDDEN: a submission that would earn points by
-letting a barred library do the work). Where an exercise keeps a solution written from its stub alone
+exported name read from it), an import of the exercise's solution if it keeps one, that solution (reference.py
+where there is none) run by its path (loaded with importlib, run with runpy, its source read and exec'd), and
+each file in `chNN_name/refused/` (required where reference.py declares FORBIDDEN: a submission that would earn
+points by letting a barred library do the work). Where an exercise keeps a solution written from its stub alone
 (`solution/<stub name>`), that solution must earn full marks too, which proves the stub's signatures and
 docstrings say everything the grader checks.
 
@@ -24,6 +25,18 @@ from pathlib import Path
 from exercises import find_exercises, stub_file
 from exercises.grade import TestResult, run_grader, score
 from exercises.own_code import MARK, is_minillm
+
+
+BY_PATH = {  # submissions that run the shipped answer at {path} by its file and keep every name it defines
+    "by spec": ("import importlib.util\nimport sys\n\n"
+                "spec = importlib.util.spec_from_file_location('answer', {path!r})\n"
+                "answer = sys.modules['answer'] = importlib.util.module_from_spec(spec)\n"
+                "spec.loader.exec_module(answer)\n"
+                "globals().update((k, v) for k, v in vars(answer).items() if not k.startswith('__'))\n"),
+    "by runpy": ("import runpy\n\n"
+                 "globals().update((k, v) for k, v in runpy.run_path({path!r}).items() if not k.startswith('__'))\n"),
+    "by exec": "exec(open({path!r}).read())\n",
+}
 
 
 def declared(reference: Path, name: str) -> object | None:
@@ -58,8 +71,8 @@ def _problems(reference: list[TestResult], stub: list[TestResult], cheats: dict[
 
 def _cheat_sources(directory: Path, stub: Path) -> dict[str, str]:
     """The submissions of code that is not the student's, by name: a re-export of minillm's names, reference.py
-    copied, reference.py imported (all of it, and as a module whose exported names are read), and the solution
-    the exercise ships imported, if any."""
+    copied, reference.py imported (all of it, and as a module whose exported names are read), the solution the
+    exercise ships imported, if any, and that solution (or reference.py) run by its path in each way of BY_PATH."""
     reference, solution = directory / "reference.py", directory / "solution" / stub.name
     module, exported = f"exercises.{directory.name}.reference", declared(reference, "__all__")
     cheats = {"re-export": reexport_source(reference), "reference copy": reference.read_text(),
@@ -67,6 +80,8 @@ def _cheat_sources(directory: Path, stub: Path) -> dict[str, str]:
               "reference module": f"import {module} as r\n\n" + "".join(f"{n} = r.{n}\n" for n in exported)}
     if solution.is_file():
         cheats["solution import"] = f"from exercises.{directory.name}.solution.{solution.stem} import *\n"
+    answer, kind = (solution, "solution") if solution.is_file() else (reference, "reference")
+    cheats.update((f"{kind} {how}", template.format(path=str(answer))) for how, template in BY_PATH.items())
     return cheats
 
 

@@ -1,6 +1,7 @@
 """The C decode kernel against the PyTorch decode path it replaces, and the engine's choice between them."""
 
 import ctypes
+import os
 import platform
 
 import pytest
@@ -55,6 +56,19 @@ def test_int8_pool_without_avx512(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu, "_library", lambda: lib)
     for batch, heads, kv_heads, dim, block_size, max_len in INT8_CASES:
         test_int8_pool_matches_torch_decode(batch, heads, kv_heads, dim, block_size, max_len)
+
+
+def test_cpu_march_from_the_environment():
+    """MINILLM_CPU_MARCH picks the compiler's target (make test-portable builds for AVX2 with it)."""
+    import subprocess
+    import sys
+
+    code = "from minillm.kernels import cpu; print(cpu.COMPILE_FLAGS[1])"
+    base = {k: v for k, v in os.environ.items() if k != "MINILLM_CPU_MARCH"}
+    for env, flag in ({}, "-march=native"), ({"MINILLM_CPU_MARCH": "x86-64-v3"}, "-march=x86-64-v3"):
+        out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                             check=True, timeout=120)
+        assert out.stdout.split() == [flag]
 
 
 def test_int8_pool_needs_its_scales():

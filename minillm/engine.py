@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 import threading
 import time
 from dataclasses import replace
@@ -41,6 +42,8 @@ from .weights import check_architecture, resolve_model
 
 CPU_KV_CACHE_BYTES = 1 << 30  # on a CPU the pool is fixed at 1 GiB, plenty for the default model
 GPU_MEMORY_UTILIZATION = 0.85  # on a GPU the pool takes this share of the memory left after the weights
+
+log = logging.getLogger("minillm")
 
 
 def default_device_dtype(device: str | torch.device | None, dtype: torch.dtype | str | None):
@@ -234,10 +237,7 @@ class LLMEngine:
         """One sequence per completion. The n > 1 siblings draw from seeds seed + i, and share the prompt's
         blocks through the prefix cache (the first computes the prompt and its log-probs; the rest wait).
         Each knows the tokens that end it (EOS unless ignore_eos, and stop_token_ids, checked here)."""
-        bad = [t for t in params.stop_token_ids if t >= self.config.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids has token ids outside the vocabulary [0, {self.config.vocab_size}): "
-                             f"{bad[:5]}")
+        check_stop_token_ids(params.stop_token_ids, self.config.vocab_size)
         stop_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else self.eos_token_ids)
         if params.n == 1:
             return [Sequence(request_id, text, token_ids, params, metrics, stop_token_ids=stop_ids)]
@@ -354,15 +354,19 @@ class LLMEngine:
                 self.block_manager.commit(seq)
         touched: dict[str, RequestState] = {}
         handles: dict[str, KVTransferParams] = {}
-        for seq, token, logprobs, prompt_logprobs in results:
+        for seq, token, logprobs, prompt_logprobs, failed in results:
             if seq.is_finished:
                 continue
             if prompt_logprobs:
                 self.output_processor.add_prompt_logprobs(seq, prompt_logprobs)
                 seq.num_prompt_logprobs += len(prompt_logprobs)
-            if token is None:
+            if failed:  # its logits were not finite: this sequence ends, the batch carries on
+                log.warning("request %s: no finite logit to sample from; it finishes with 'error'", seq.request_id)
+                self.scheduler.finish(seq, "error")
+                self.output_processor.on_abort(seq)
+            elif token is None:
                 continue  # a prompt chunk: no token yet
-            if (handle := self._take_token(seq, token, logprobs, now)) is not None:
+            elif (handle := self._take_token(seq, token, logprobs, now)) is not None:
                 handles[seq.request_id] = handle
             state = seq.completion.request
             touched[state.request_id] = state
@@ -448,3 +452,9 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> N
     if len(token_ids) >= max_model_len:
         raise ValueError(f"prompt has {len(token_ids)} tokens; this model's context is {max_model_len}"
                          " (including at least one generated token)")
+
+
+def check_stop_token_ids(stop_token_ids: list[int], vocab_size: int) -> None:
+    """Reject stop token ids outside this vocabulary (ValueError naming them)."""
+    if bad := [t for t in stop_token_ids if t >= vocab_size]:
+        raise ValueError(f"stop_token_ids has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")

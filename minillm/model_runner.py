@@ -128,13 +128,15 @@ class ModelRunner:
                 row += len(pos)
             token, lp = next(it) if d else (None, None)
             row += d
-            results.append(SeqResult(s, token, lp, prompt_lps))
+            results.append(SeqResult(s, token, lp, prompt_lps, failed=d and token is None))
         return results
 
     @staticmethod
-    def _token_logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprobs | None]:
-        """Log-probs of each sampled token, for the sequences that asked for them (None for the others)."""
-        asked = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    def _token_logprobs(logits: torch.Tensor, seqs: list[Sequence],
+                        tokens: list[int | None]) -> list[TokenLogprobs | None]:
+        """Log-probs of each sampled token, for the sequences that asked for them (None for the others, and for a
+        row that had nothing to sample)."""
+        asked = [i for i, s in enumerate(seqs) if s.params.logprobs is not None and tokens[i] is not None]
         out: list[TokenLogprobs | None] = [None] * len(seqs)
         if asked:
             k = max(seqs[i].params.logprobs for i in asked)
@@ -149,6 +151,7 @@ class SeqResult(NamedTuple):
     """What one step produced for one sequence."""
 
     seq: Sequence
-    token: int | None  # None for a prompt chunk that stops short of the prompt's end
+    token: int | None  # None for a prompt chunk that stops short of the prompt's end, or when `failed`
     logprobs: TokenLogprobs | None  # of `token`, when the request asked for logprobs
     prompt_logprobs: list[TokenLogprobs]  # of the prompt tokens this step scored (prompt_logprobs)
+    failed: bool = False  # its logits had no finite top value: nothing to sample, the sequence ends with "error"

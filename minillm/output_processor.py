@@ -134,7 +134,8 @@ class OutputProcessor:
         return reason
 
     def on_abort(self, seq: Sequence) -> None:
-        """An aborted completion keeps what it generated: held-back text is released."""
+        """A completion cut short (aborted, or ended by an error) keeps what it generated: held-back text is
+        released."""
         seq.completion.text += seq.completion.stop.flush()
 
     def output(self, state: RequestState) -> RequestOutput | None:

@@ -28,8 +28,9 @@ class CompletionOutput:
     """One generated continuation: its text, tokens and why it stopped.
 
     `finish_reason` is "stop" (EOS, or a stop string or stop token id, which `stop_reason` then holds),
-    "length", "abort", or None while running. With `RequestOutputKind.DELTA` the text, tokens and log-probs
-    are only the new ones since the previous output.
+    "length", "abort", "error" (its logits had no finite value to sample from; the others in its batch carry
+    on), or None while running. With `RequestOutputKind.DELTA` the text, tokens and log-probs are only the new
+    ones since the previous output.
     """
 
     index: int

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 MAX_N = 128  # completions per request, OpenAI's bound
 MAX_LOGPROBS = 20  # top alternatives per position, OpenAI's bound for top_logprobs (and vLLM's default)
 SEED_RANGE = (-2 ** 63, 2 ** 64 - 1)  # what torch.Generator.manual_seed accepts
+# The repetition penalty divides or multiplies float32 logits (float32 spans 1.18e-38 to 3.4e38): within these
+# bounds the penalty is a normal float32 and a logit up to 1e8 in size stays finite after it. Temperature needs no
+# such bound: `sample` divides in float64, after shifting the top logit to 0.
+REPETITION_PENALTY_RANGE = (1e-30, 1e30)
 
 
 class RequestOutputKind(enum.Enum):
@@ -95,7 +99,9 @@ class SamplingParams:
         self.stop_token_ids = list(ids)
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens, what=" (at most max_tokens)")
         _check_float("min_p", self.min_p, lambda p: 0 <= p <= 1, "in [0, 1]")
-        _check_float("repetition_penalty", self.repetition_penalty, lambda p: p > 0, "> 0 (1 disables it)")
+        low, high = REPETITION_PENALTY_RANGE
+        _check_float("repetition_penalty", self.repetition_penalty, lambda p: low <= p <= high,
+                     f"in [{low:g}, {high:g}] (1 disables it)")
         for name in ("presence_penalty", "frequency_penalty"):
             _check_float(name, getattr(self, name), lambda p: -2 <= p <= 2, "in [-2, 2]")
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
@@ -170,14 +176,21 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> list[int | None]:
     """One token per row of `logits [seqs, vocab]`: argmax when greedy, else a draw from the filtered softmax.
 
     Each sequence draws from its own generator, so a seeded request samples the same text whatever it is
-    batched with. Penalties, when asked for, are already in `logits` (`apply_penalties`).
+    batched with. Penalties, when asked for, are already in `logits` (`apply_penalties`). A row whose top logit
+    is not finite (a NaN or +inf in it, or every token at -inf) has no distribution: its token is None, and
+    the other rows are sampled as usual.
     """
-    tokens = logits.argmax(dim=-1).tolist()
+    # one transfer from the device: each row's argmax, or -1 where the row has no finite top logit
+    tokens = torch.where(logits.amax(dim=-1).isfinite(), logits.argmax(dim=-1), -1).tolist()
     for i, (p, gen) in enumerate(zip(params, generators)):
+        if tokens[i] < 0:
+            tokens[i] = None
+            continue
         if p.greedy:
             continue
         row = logits[i].double()

@@ -33,6 +33,17 @@ STOP = 0  # a pull of transfer 0 ends the prefill side's thread (transfer ids st
 GONE, FOUND = 0, 1
 
 
+def check_remote_decode(params: SamplingParams) -> None:
+    """Refuse what a prefill for a remote decode cannot run: it stops after its first token, for one completion. A
+    pair's coordinator checks this when a request is added, so no instance refuses a request from inside a step."""
+    if params.n != 1:
+        raise ValueError(f"a prefill for a remote decode runs one completion (n = 1, got {params.n}); the decode "
+                         "instance runs all n")
+    if params.min_tokens > 1:
+        raise ValueError(f"min_tokens must be at most 1 with prefill/decode disaggregation, got {params.min_tokens}: "
+                         "the prefill instance stops after the first token")
+
+
 class KVConnector:
     """Holds (prefill side) or pulls (decode side) prompts' KV blocks over a two-rank `Comm`."""
 
@@ -71,9 +82,7 @@ class KVConnector:
             raise ValueError(f"{'do_remote_decode' if do_remote_decode else 'remote_prefill'} needs the {role} side "
                              f"of a pair; this is the {self.role} side")
         if do_remote_decode:
-            if params.n != 1:
-                raise ValueError(f"a prefill for a remote decode runs one completion (n = 1, got {params.n}); the "
-                                 "decode instance runs all n")
+            check_remote_decode(params)
             return replace(params, max_tokens=1)
         self.layout.check(remote_prefill.layout)
         if list(remote_prefill.prompt_token_ids) != token_ids:

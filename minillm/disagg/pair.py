@@ -21,7 +21,7 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 from ..config import ModelConfig
-from ..engine import check_prompt
+from ..engine import check_prompt, check_stop_token_ids
 from ..engine_args import EngineArgs
 from ..outputs import RequestOutput
 from ..parallel.comm import free_port
@@ -30,6 +30,7 @@ from ..sampling import RequestOutputKind, SamplingParams
 from ..sequence import claim_request_id
 from ..threads import engine_threads
 from ..weights import resolve_model
+from .connector import check_remote_decode
 from .instance import ABORT, ADD, DECODE, PREFILL, RESET_PREFIX_CACHE, STATS, STOP, instance_main
 
 STEP_WAIT_S = 0.002  # how long `step` waits for news from the instances
@@ -95,8 +96,7 @@ class PDPair:
                     arrival_time: float | None = None) -> str:
         """Queue a request on the prefill instance; returns its id (a given id in use is a ValueError)."""
         self._check_open()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        self._check_params(params)
         text, token_ids = self._tokenize(prompt)
         request_id = claim_request_id(request_id, self._requests, self._ids)
         arrival_time = time.perf_counter() if arrival_time is None else arrival_time
@@ -124,17 +124,20 @@ class PDPair:
         """Take what the instances sent (waiting up to `timeout` seconds for it), pass prefilled requests on to the
         decode instance, and return the final outputs of the requests that finished."""
         self._check_open()
+        rejected = []
         for role, (kind, body) in self._receive(timeout):
             if kind == "outputs":
                 for out in body:
                     self._route(role, out)
-            elif kind == "rejected":
+            elif kind == "rejected":  # `add_request` refuses what it can foresee; this is anything else
                 request_id, message = body
                 self.abort(request_id)
                 self._requests.pop(request_id, None)
-                raise ValueError(f"request {request_id}: {message}")
+                rejected.append(f"request {request_id}: {message}")
             elif kind in ("ready", "stats"):
                 self._replies[role] = body
+        if rejected:  # raised once every message is taken: the other requests' outputs wait for the next step
+            raise ValueError("; ".join(rejected))
         done, self._finished = self._finished, []
         return done
 
@@ -149,8 +152,10 @@ class PDPair:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
         for i, (prompt, p) in enumerate(zip(prompts, params)):  # every request checked before any is queued
-            if not isinstance(p, SamplingParams):
-                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+            try:
+                self._check_params(p)
+            except ValueError as e:
+                raise ValueError(f"sampling_params[{i}]: {e}") from None
             try:
                 self._tokenize(prompt)
             except ValueError as e:
@@ -228,6 +233,14 @@ class PDPair:
         prompt_logprobs = (request.prefill or out).prompt_logprobs
         self._finished.append(replace(out, prompt=request.prompt, prompt_logprobs=prompt_logprobs,
                                       kv_transfer_params=None))
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """Refuse parameters an instance would refuse, before anything is queued: a refusal from inside `step` would
+        come when other requests' outputs are due."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        check_stop_token_ids(params.stop_token_ids, self.vocab_size)
+        check_remote_decode(prefill_params(params))
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """The prompt's text (None for token ids) and token ids, checked against the instances' vocabulary and

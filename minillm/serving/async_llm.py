@@ -40,6 +40,14 @@ class EngineDeadError(RuntimeError):
         super().__init__("the engine stopped after an internal error")
 
 
+class RequestFailed(RuntimeError):
+    """The engine ended this request with an error (no finite logits to sample from); the engine and the other
+    requests go on (HTTP 500, or an error event in a stream)."""
+
+    def __init__(self, request_id: str):
+        super().__init__(f"request {request_id} failed: the model's output had no finite logits to sample from")
+
+
 class RequestStream:
     """The outputs of one request, in order, as an async iterator; outputs that queued up while the reader
     was busy come merged into one. Closing it before the request finishes aborts the request."""
@@ -64,6 +72,8 @@ class RequestStream:
             self.finished = True
             raise out
         self.finished = out.finished
+        if out.finished and any(c.finish_reason == "error" for c in out.outputs):
+            raise RequestFailed(self.request_id)
         return out
 
     def _merge(self, a: RequestOutput, b: RequestOutput) -> RequestOutput:

@@ -24,7 +24,7 @@ from ..output_processor import OutputProcessor
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
 from .api_server import REQUEST_USER
-from .async_llm import AsyncLLM, EngineDeadError, EngineOverloaded, EngineUnavailable, RequestStream
+from .async_llm import AsyncLLM, EngineDeadError, EngineOverloaded, EngineUnavailable, RequestFailed, RequestStream
 from .protocol import OpenAIError
 from .replica_header import REPLICAS
 
@@ -264,7 +264,7 @@ def replica_error(e: Exception) -> Exception:
     from ray.serve.exceptions import RayServeException
 
     cause = e.cause if isinstance(e, RayTaskError) else e
-    if isinstance(cause, (EngineDeadError, EngineUnavailable, EngineOverloaded, OpenAIError)):
+    if isinstance(cause, (EngineDeadError, EngineUnavailable, EngineOverloaded, OpenAIError, RequestFailed)):
         return cause
     if isinstance(cause, ValueError):
         return OpenAIError(str(cause))

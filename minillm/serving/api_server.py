@@ -26,7 +26,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from .async_llm import AsyncLLM, EngineDeadError, EngineOverloaded, EngineUnavailable
+from .async_llm import AsyncLLM, EngineDeadError, EngineOverloaded, EngineUnavailable, RequestFailed
 from .chat import chat_completion, template_error
 from .completions import completion
 from .gateway import RateLimit, RateLimiter
@@ -144,6 +144,10 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
     async def _dead(request: Request, e: EngineDeadError):
         return error_response(internal_error())  # the engine loop logged the cause
 
+    @app.exception_handler(RequestFailed)
+    async def _failed(request: Request, e: RequestFailed):
+        return error_response(request_failed(e))
+
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, e: ClientDisconnected):
         log.info("client left before its response was ready; request %s aborted", request.state.request_id)
@@ -214,6 +218,8 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
                                             req.continue_final_message, req.chat_template_kwargs)
             except ValueError as e:
                 raise template_error(e) from None
+            if req.add_special_tokens:  # what the tokenizer adds to any text (a BOS), ahead of the template
+                ids = llm.encode("", True) + ids
         return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -244,9 +250,16 @@ async def _sse(chunks):
             error = OpenAIError(str(e), status=503, type="service_unavailable")
         elif isinstance(e, OpenAIError):
             error = e
+        elif isinstance(e, RequestFailed):
+            error = request_failed(e)
         else:
             if not isinstance(e, EngineDeadError):  # the engine loop logged that one
                 log.exception("internal error in a stream")
             error = internal_error()
         yield {"data": json.dumps(error.body())}
         yield {"data": "[DONE]"}
+
+
+def request_failed(e: RequestFailed) -> OpenAIError:
+    """One request's failure, named: the engine and every other request go on."""
+    return OpenAIError(str(e), status=500, type="internal_error", code="generation_failed")

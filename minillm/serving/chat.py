@@ -12,7 +12,8 @@ from ..outputs import CompletionOutput
 from ..sampling import SamplingParams
 from .async_llm import RequestStream
 from .protocol import ChatCompletionRequest, OpenAIError
-from .serving_engine import Served, Stream, finals, lp, prompt_logprobs_json, sampling_params, start, usage
+from .serving_engine import (Served, Stream, finals, lp, prompt_logprobs_json, sampling_params, start,
+                             stream_usage, usage)
 
 
 def template_error(e: ValueError) -> OpenAIError:
@@ -74,13 +75,12 @@ async def chat_completion(served: Served, req: ChatCompletionRequest, disconnect
 
 async def _chat_chunks(served: Served, req: ChatCompletionRequest, stream: RequestStream, prompt_tokens: int,
                        head: dict, top: int) -> AsyncIterator[str]:
-    opts = req.stream_options
-    include_usage, continuous = bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
+    include_usage, continuous = stream_usage(req)
     completion_tokens = 0
 
     def chunk(choice: dict) -> str:
         body = {**head, "choices": [choice]}
-        if include_usage or continuous:
+        if include_usage:
             body["usage"] = usage(prompt_tokens, completion_tokens) if continuous else None
         return json.dumps(body)
 

@@ -18,7 +18,7 @@ from ..sampling import SamplingParams
 from .async_llm import RequestStream
 from .protocol import CompletionRequest
 from .serving_engine import (Served, Stream, close_all, finals, lp, merged, prompt_logprobs_json, sampling_params,
-                             start, top, usage)
+                             start, stream_usage, top, usage)
 
 
 @dataclass
@@ -111,8 +111,7 @@ async def completion(served: Served, req: CompletionRequest, disconnected) -> di
 
 async def _completion_chunks(served: Served, req: CompletionRequest, streams: list[RequestStream],
                              prompts: list[list[int]], texts: list[str], head: dict) -> AsyncIterator[str]:
-    opts = req.stream_options
-    include_usage, continuous = bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
+    include_usage, continuous = stream_usage(req)
     prompt_tokens, completion_tokens = sum(map(len, prompts)), 0
     offsets: dict[int, int] = {}  # choice index -> characters sent (for text_offset)
     prompt_lps: dict[int, list] = {}  # prompt -> its log-probs, which come once for all its n choices
@@ -131,7 +130,7 @@ async def _completion_chunks(served: Served, req: CompletionRequest, streams: li
                     served, index, c, prompts[i], texts[i], prompt_lps.get(i), req.echo and first, lps,
                     offsets.get(index, 0))
                 chunk = {**head, "choices": [choice]}
-                if include_usage or continuous:
+                if include_usage:
                     chunk["usage"] = usage(prompt_tokens, completion_tokens) if continuous else None
                 yield json.dumps(chunk)
         if include_usage:

@@ -5,7 +5,8 @@ bucket (the algorithm behind most API rate limits): it holds at most `burst` tok
 `requests_per_second`, and every request takes one; a request that finds it empty gets a 429 with
 `Retry-After` (the seconds until a token is back) and an OpenAI error body, before any work is done.
 A client is its API key when the server checks one (chapter 8's `--api-key`), else its address: keying by
-an unchecked bearer token would let a client escape its limit by inventing new ones.
+an unchecked bearer token would let a client escape its limit by inventing new ones, and so would believing
+any `X-Forwarded-For` (the server takes it only from the proxies `--forwarded-allow-ips` names).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from starlette.datastructures import Headers
 
-from .middleware import OPEN_PATHS, error_response
+from .middleware import bearer_token, error_response, is_open
 from .protocol import OpenAIError
 
 MAX_BUCKETS = 10_000  # beyond this, buckets that have refilled (idle clients) are dropped
@@ -72,13 +73,13 @@ class RateLimiter:
 
     def client(self, scope) -> str:
         """The bucket's key: the API key (already checked by `ApiKeyAuth`), else the client's address."""
-        if self.by_api_key:
-            return "key " + Headers(scope=scope).get("authorization", "")
+        if self.by_api_key:  # the token, not the header: `bearer K` and `Bearer K` are one client
+            return "key " + (bearer_token(Headers(scope=scope)) or "")
         host = scope.get("client")
         return "address " + (host[0] if host else "unknown")
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or is_open(scope):
             return await self.app(scope, receive, send)
         now, key = time.monotonic(), self.client(scope)
         bucket = self.buckets.get(key)

@@ -60,6 +60,14 @@ async def shutdown(server: uvicorn.Server, llm: AsyncLLM, drain_seconds: float) 
     server.should_exit = True
 
 
+def uvicorn_config(app, forwarded_allow_ips: str | None, **kw) -> uvicorn.Config:
+    """uvicorn's settings for the app (`kw`), believing `X-Forwarded-For` and `-Proto` only from the proxies at
+    `forwarded_allow_ips`: uvicorn's default trusts 127.0.0.1, so any local client could name its own address,
+    and with it its rate-limit bucket."""
+    return uvicorn.Config(app, proxy_headers=bool(forwarded_allow_ips),
+                          forwarded_allow_ips=forwarded_allow_ips or None, **kw)
+
+
 class _Server(uvicorn.Server):
     """uvicorn, with a first SIGINT/SIGTERM that drains instead of cutting streams, and an engine failure that
     stops it too; `exit_code` is 1 after a failure, else 0."""
@@ -92,14 +100,16 @@ class ServerThread:
 
     Use as a context manager, or call `start()` and `stop()`; `url` is the base URL (`.../v1` for clients).
     If the engine fails, the server stops by itself and `failed` is true (`exit_code` 1, as `serve` exits).
+    `forwarded_allow_ips`: as `serve --forwarded-allow-ips` (default: no proxy is believed).
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, drain_seconds: float = 0.0):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, drain_seconds: float = 0.0,
+                 forwarded_allow_ips: str | None = None):
         self.llm: AsyncLLM = app.state.served.llm
         self.sock = bind(host, port)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
         self.drain_seconds = drain_seconds
-        config = uvicorn.Config(app, log_level="error", access_log=False, lifespan="on")
+        config = uvicorn_config(app, forwarded_allow_ips, log_level="error", access_log=False, lifespan="on")
         self.server = _Server(config, self.llm, drain_seconds)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="minillm-server")
@@ -151,10 +161,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer <key>` on every route but /health, /metrics and "
-                             f"/version (default: ${API_KEY_ENV}, else no key)")
+                             f"/version; prefer ${API_KEY_ENV}: a flag shows in the process list (ps), an "
+                             f"environment variable does not (default: ${API_KEY_ENV}, else no key)")
     parser.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                         help="web pages from these origins may call the API (CORS), e.g. http://localhost:3000 "
                              "or *; default: none")
+    parser.add_argument("--forwarded-allow-ips", default=None, metavar="IPS",
+                        help="comma-separated addresses or networks (or *) of the proxies whose X-Forwarded-For "
+                             "names the client (its rate-limit bucket, the access log); default: none, every "
+                             "client is the address it connects from")
     parser.add_argument("--rate-limit", type=float, default=None, metavar="RPS",
                         help="requests per second each client may send (keyed by API key, else address); "
                              "beyond it a 429 with Retry-After; default: no limit")
@@ -185,6 +200,17 @@ def autoscaling_from_cli(args: argparse.Namespace) -> dict | None:
     return given or None
 
 
+def app_options(args: argparse.Namespace) -> dict:
+    """`build_app`'s keywords from the command line (the API key from $MINILLM_API_KEY unless `--api-key` is
+    given), each checked before the model loads."""
+    limits = ServerLimits.from_cli_args(args)
+    if args.rate_limit_burst is not None and args.rate_limit is None:
+        raise ValueError("--rate-limit-burst needs --rate-limit")
+    rate_limit = RateLimit(args.rate_limit, args.rate_limit_burst) if args.rate_limit is not None else None
+    return dict(limits=limits, api_key=args.api_key or os.environ.get(API_KEY_ENV),
+                allowed_origins=args.allowed_origins, rate_limit=rate_limit)
+
+
 def serve(args: argparse.Namespace) -> int:
     """Load the model, serve until SIGINT/SIGTERM, drain; exit 0, or 1 if the engine failed. With more than one
     replica (or `--ray-address`, or autoscaling), chapter 9's service on Ray Serve instead (`ray_app`)."""
@@ -193,16 +219,13 @@ def serve(args: argparse.Namespace) -> int:
     from ..engine import LLMEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    limits = ServerLimits.from_cli_args(args)  # a bad limit is refused before the model loads
-    if args.rate_limit_burst is not None and args.rate_limit is None:
-        raise ValueError("--rate-limit-burst needs --rate-limit")
-    rate_limit = RateLimit(args.rate_limit, args.rate_limit_burst) if args.rate_limit is not None else None
-    app_kw = dict(limits=limits, api_key=args.api_key or os.environ.get(API_KEY_ENV),
-                  allowed_origins=args.allowed_origins, rate_limit=rate_limit)
+    app_kw = app_options(args)
     autoscaling = autoscaling_from_cli(args)
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     if args.replicas > 1 or args.ray_address is not None or autoscaling is not None:
+        if args.forwarded_allow_ips is not None:
+            raise ValueError("--forwarded-allow-ips applies to the one-engine server, not to Ray Serve's proxy")
         from .ray_app import serve_on_ray
 
         return serve_on_ray(args, autoscaling, app_kw)
@@ -219,7 +242,8 @@ def serve(args: argparse.Namespace) -> int:
               f"({torch.get_num_threads()} threads); Ctrl-C to stop", flush=True)
 
     app = build_app(llm, name, on_started=ready, **app_kw)
-    config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("debug", "info"))
+    config = uvicorn_config(app, args.forwarded_allow_ips, log_level=args.log_level,
+                            access_log=args.log_level in ("debug", "info"))
     server = _Server(config, llm, args.drain_seconds)
     server.run(sockets=[sock])
     print("minillm: stopped" if server.exit_code == 0 else "minillm: stopped after the engine failed (see above)",

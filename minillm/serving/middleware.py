@@ -1,7 +1,8 @@
 """Chapter 8 — what wraps every request before a route sees it (plain ASGI middleware): a request id on every
 response, a 500 that tells the client nothing of the bug, an API key, and a cap on the body's size.
 
-Outermost first: CORS (Starlette's, when origins are allowed) → `RequestId` → `ApiKeyAuth` → `BodyLimit`.
+Outermost first: CORS (Starlette's, when origins are allowed) → `RequestId` → `ApiKeyAuth` → `RateLimiter`
+(chapter 9's, gateway.py) → `BodyLimit`.
 """
 
 from __future__ import annotations
@@ -13,12 +14,41 @@ import uuid
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.routing import BaseRoute, Match
 
 from .protocol import OpenAIError
 
 log = logging.getLogger("minillm.serving")
 OPEN_PATHS = ("/health", "/metrics", "/version")  # served without an API key, as vLLM does
 MAX_REQUEST_ID_CHARS = 128
+
+
+def answering_route(scope) -> BaseRoute | None:
+    """The route the app's router will hand this request to, found before it does: a full match, else one for
+    another method (a 405), else the one its trailing-slash redirect leads to; None for a 404."""
+    router = scope["app"].router
+
+    def first(s, kinds: tuple[Match, ...]) -> BaseRoute | None:
+        return next((r for r in router.routes if r.matches(s)[0] in kinds), None)
+
+    route = first(scope, (Match.FULL,)) or first(scope, (Match.PARTIAL,))
+    path = scope["path"]
+    if route is None and router.redirect_slashes and path != "/":
+        redirect = {**scope, "path": path.rstrip("/") if path.endswith("/") else path + "/"}
+        route = first(redirect, (Match.FULL, Match.PARTIAL))
+    return route
+
+
+def is_open(scope) -> bool:
+    """Whether a request goes to /health, /metrics or /version, by the route that answers it, not by its spelling:
+    `/health/` (redirected to /health) is open and `/v1/models/` (a model named "") is not."""
+    return getattr(answering_route(scope), "path", None) in OPEN_PATHS
+
+
+def bearer_token(headers: Headers) -> str | None:
+    """The token of `Authorization: Bearer <token>`; the scheme's case does not matter (RFC 9110)."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return token if scheme.lower() == "bearer" else None
 
 
 def error_response(e: OpenAIError) -> JSONResponse:
@@ -63,15 +93,16 @@ class RequestId:
 
 
 class ApiKeyAuth:
-    """Every path but /health, /metrics and /version needs `Authorization: Bearer <key>` (else 401)."""
+    """Every route but /health, /metrics and /version needs `Authorization: Bearer <key>` (else 401), and so does
+    a path no route answers."""
 
     def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected = app, api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or is_open(scope):
             return await self.app(scope, receive, send)
-        given = Headers(scope=scope).get("authorization", "").encode()
+        given = (bearer_token(Headers(scope=scope)) or "").encode("latin-1")  # a header's bytes, as they came
         if not secrets.compare_digest(given, self.expected):  # constant time: the key's prefix is not guessable
             error = OpenAIError("a valid API key is required: send the header `Authorization: Bearer <key>`",
                                 status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

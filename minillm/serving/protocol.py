@@ -177,7 +177,9 @@ class TokenizeRequest(Request):
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[Message] | None = None
-    add_special_tokens: StrictBool | None = None  # prompt only (default true); a chat template adds its own
+    # a prompt's default is true; with messages the default is false (the template writes its own), and true puts
+    # the tokenizer's own special tokens ahead of the template's, as vLLM does
+    add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -185,9 +187,6 @@ class TokenizeRequest(Request):
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise OpenAIError("give either prompt or messages", param="prompt")
-        if self.messages is not None and self.add_special_tokens:
-            raise OpenAIError("add_special_tokens applies to a prompt; a chat template adds its own special tokens",
-                              param="add_special_tokens")
         check_continue(self.continue_final_message, self.add_generation_prompt)
 
 

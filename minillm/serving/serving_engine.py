@@ -160,12 +160,15 @@ async def finals(streams: list[RequestStream], disconnected: Callable) -> list[R
     try:
         await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
-            work.cancel()
             raise ClientDisconnected()
         return work.result()
     finally:
+        await close_all(streams)  # aborts in the engine each request still running
+        work.cancel()
         gone.cancel()
-        await close_all(streams)
+        # wait for both to end and take their outcome: a cancelled gather ends with a CancelledError that,
+        # left unread, asyncio logs when the future is collected ("exception was never retrieved")
+        await asyncio.gather(work, gone, return_exceptions=True)
 
 
 @dataclass
@@ -175,6 +178,13 @@ class Stream:
 
     chunks: AsyncIterator[str]
     streams: list[RequestStream]
+
+
+def stream_usage(req: SamplingRequest) -> tuple[bool, bool]:
+    """(`include_usage`, usage in every chunk): as vLLM, `continuous_usage_stats` counts only with `include_usage`."""
+    opts = req.stream_options
+    include = bool(opts and opts.include_usage)
+    return include, include and opts.continuous_usage_stats
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import httpx
@@ -84,3 +85,14 @@ def wait_for(condition, seconds: float, what: str):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
     return result
+
+
+class Records(logging.Handler):
+    """Keeps every log record it is given, for a test to read what a server logged."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)

@@ -14,7 +14,7 @@ from minillm.__main__ import build_parser, main
 from minillm.serving import AsyncLLM, ServerThread, build_app
 from minillm.serving.gateway import RateLimit
 from minillm.serving.launch import API_KEY_ENV, app_options, uvicorn_config
-from serving_utils import scrape, serve_engine, slow_steps, start_server, stream_json, tiny_engine, wait_idle
+from serving_utils import Records, scrape, serve_engine, slow_steps, start_server, stream_json, tiny_engine, wait_idle
 
 KEY = "sk-edges"
 PROMPT = "The quick brown fox"
@@ -121,15 +121,6 @@ def test_tokenize_takes_add_special_tokens_with_messages(client):
 
 
 # --- 5. a client that hangs up -------------------------------------------------------------------------------------
-
-class Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record):
-        self.records.append(record)
-
 
 def test_a_client_that_hangs_up_leaves_no_traceback_and_no_work(tiny_llama):
     engine = tiny_engine(tiny_llama, num_kv_blocks=64, block_size=4)

@@ -16,19 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from serving_utils import scrape, serve_engine, slow_steps, tiny_engine, wait_idle
+from serving_utils import Records, scrape, serve_engine, slow_steps, tiny_engine, wait_idle
 
 BODY = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
 SECRET = "secret-cause-7f3a"  # the failing step's message: it must reach the log, never a client
-
-
-class Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record):
-        self.records.append(record)
 
 
 def wait_running(c: httpx.Client, n: int) -> None:

@@ -185,8 +185,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     is not finite (a NaN or +inf in it, or every token at -inf) has no distribution: its token is None, and
     the other rows are sampled as usual.
     """
-    # one transfer from the device: each row's argmax, or -1 where the row has no finite top logit
-    tokens = torch.where(logits.amax(dim=-1).isfinite(), logits.argmax(dim=-1), -1).tolist()
+    # one pass over the logits and one transfer from the device: each row's argmax (its first top value, as
+    # `argmax`), or -1 where that top value is not finite
+    top, argmax = logits.max(dim=-1)
+    tokens = torch.where(top.isfinite(), argmax, -1).tolist()
     for i, (p, gen) in enumerate(zip(params, generators)):
         if tokens[i] < 0:
             tokens[i] = None

@@ -21,6 +21,7 @@ from .protocol import OpenAIError
 log = logging.getLogger("minillm.serving")
 OPEN_PATHS = ("/health", "/metrics", "/version")  # served without an API key, as vLLM does
 MAX_REQUEST_ID_CHARS = 128
+OPEN_KEY = "minillm.open_route"  # the scope key where `is_open` keeps its answer
 
 
 def answering_route(scope) -> BaseRoute | None:
@@ -41,8 +42,11 @@ def answering_route(scope) -> BaseRoute | None:
 
 def is_open(scope) -> bool:
     """Whether a request goes to /health, /metrics or /version, by the route that answers it, not by its spelling:
-    `/health/` (redirected to /health) is open and `/v1/models/` (a model named "") is not."""
-    return getattr(answering_route(scope), "path", None) in OPEN_PATHS
+    `/health/` (redirected to /health) is open and `/v1/models/` (a model named "") is not. Found once per request
+    and kept in its scope, for the API key's check and the rate limit alike."""
+    if OPEN_KEY not in scope:
+        scope[OPEN_KEY] = getattr(answering_route(scope), "path", None) in OPEN_PATHS
+    return scope[OPEN_KEY]
 
 
 def bearer_token(headers: Headers) -> str | None:

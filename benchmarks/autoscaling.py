@@ -43,7 +43,7 @@ import numpy as np
 from benchmarks.record import save_json
 from minillm.bench import corpus_ids, first_model, run_http
 from minillm.engine_args import EngineArgs
-from minillm.serving.ray_app import RayService
+from minillm.service.ray_app import RayService
 from minillm.weights import resolve_model
 
 MAX_REPLICAS = 2

@@ -38,8 +38,8 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 from minillm.bench import corpus_ids, first_model, run_http
 from minillm.engine_args import EngineArgs
 from minillm.metrics import poisson_arrivals, summarize
-from minillm.serving.ray_app import RayService
-from minillm.serving.routers import ROUTERS
+from minillm.service.ray_app import RayService
+from minillm.service.routers import ROUTERS
 from minillm.weights import resolve_model
 
 HIT_RATE_TARGET, TTFT_TARGET, SHARE_LIMIT = 2.0, 1.5, 0.7

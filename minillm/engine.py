@@ -22,7 +22,7 @@ from .attention import MicroBatch
 from .block_manager import BlockManager
 from .config import ModelConfig
 from .disagg.connector import KVConnector
-from .disagg.kv_transfer import KVTransferParams
+from .kv_handoff import KVTransferParams
 from .engine_args import EngineArgs
 from .kernels import triton_available
 from .kv_cache import KVCache, blocks_for_budget

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from .metrics import RequestMetrics
 
 if TYPE_CHECKING:
-    from .disagg.kv_transfer import KVTransferParams
+    from .kv_handoff import KVTransferParams
 
 # One position's log-probabilities: the token there and the top alternatives, by token id.
 PositionLogprobs = dict[int, "Logprob"]

@@ -13,7 +13,7 @@ from .metrics import RequestMetrics
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from .disagg.kv_transfer import KVTransferParams
+    from .kv_handoff import KVTransferParams
     from .output_processor import CompletionState
 
 

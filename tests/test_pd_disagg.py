@@ -15,7 +15,8 @@ import pytest
 
 from minillm import LLM, LLMEngine, SamplingParams
 from minillm.disagg.connector import CONSUMER, PRODUCER, KVConnector
-from minillm.disagg.kv_transfer import KVLayout, pair_comm
+from minillm.disagg.kv_transfer import pair_comm
+from minillm.kv_handoff import KVLayout
 from minillm.disagg.pair import PDPair, decode_params, prefill_params
 from minillm.parallel.comm import free_port
 from minillm.sequence import SequenceStatus

@@ -12,7 +12,7 @@ from minillm import LLM, SamplingParams
 from minillm.engine_args import EngineArgs
 from serving_utils import wait_for
 
-ray_app = pytest.importorskip("minillm.serving.ray_app", reason="ray[serve] is not installed")
+ray_app = pytest.importorskip("minillm.service.ray_app", reason="ray[serve] is not installed")
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray"),  # one Ray instance at a time on this machine
               # Serve compares the look-back with its deprecated metrics_interval_s (10 s); a scale to zero a
               # second after the last request is what this test wants

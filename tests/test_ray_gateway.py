@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from minillm.__main__ import main
-from minillm.serving.gateway import RateLimit, TokenBucket
+from minillm.service.gateway import RateLimit, TokenBucket
 from serving_utils import start_server
 
 KEY = "sk-gateway"

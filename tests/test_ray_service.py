@@ -20,11 +20,11 @@ from openai.types.chat import ChatCompletionChunk
 
 from minillm import LLM, SamplingParams
 from minillm.engine_args import EngineArgs
-from minillm.serving.gateway import RateLimit
+from minillm.service.gateway import RateLimit
 from serving_utils import sse_events, wait_for, wait_idle
 from tiny_models import build_tiny_model
 
-ray_app = pytest.importorskip("minillm.serving.ray_app", reason="ray[serve] is not installed")
+ray_app = pytest.importorskip("minillm.service.ray_app", reason="ray[serve] is not installed")
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one service per module: keep it on one worker
 MODEL = "tiny"
 QUESTION = [{"role": "user", "content": "Prefill builds the cache."}]

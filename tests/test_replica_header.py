@@ -3,7 +3,7 @@ itself, and a message the app sends meanwhile (a stream's keep-alive ping during
 
 import asyncio
 
-from minillm.serving.replica_header import REPLICAS, IngressHeaders
+from minillm.service.replica_header import REPLICAS, IngressHeaders
 
 
 def test_a_ping_sent_while_the_start_waits_for_its_replica_goes_after_the_start():

@@ -12,7 +12,7 @@ from minillm.block_manager import BlockManager
 from minillm.metrics import RequestMetrics
 from minillm.sampling import SamplingParams
 from minillm.sequence import Sequence
-from minillm.serving.routing_policies import (LeastLoaded, PrefixAffinity, RoundRobin, RouteRequest,
+from minillm.service.routing_policies import (LeastLoaded, PrefixAffinity, RoundRobin, RouteRequest,
                                               SessionAffinity, prefix_block_hashes)
 
 REPLICAS = ["r0", "r1", "r2"]
@@ -152,7 +152,7 @@ def test_ray_routers_rank_and_learn_without_a_cluster():
     from ray.serve.request_router import PendingRequest, RequestRouter
 
     from minillm.engine_args import EngineArgs
-    from minillm.serving.routers import ROUTERS, PrefixAffinityRouter, request_router_config
+    from minillm.service.routers import ROUTERS, PrefixAffinityRouter, request_router_config
 
     assert set(ROUTERS) == {"round_robin", "least_loaded", "prefix", "session"} and ROUTERS["least_loaded"] is None
     assert request_router_config("least_loaded", EngineArgs()) is None

@@ -12,7 +12,7 @@ import pytest
 
 from minillm.__main__ import build_parser, main
 from minillm.serving import AsyncLLM, ServerThread, build_app
-from minillm.serving.gateway import RateLimit
+from minillm.service.gateway import RateLimit
 from minillm.serving.launch import API_KEY_ENV, app_options, uvicorn_config
 from serving_utils import Records, scrape, serve_engine, slow_steps, start_server, stream_json, tiny_engine, wait_idle
 

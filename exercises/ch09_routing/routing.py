@@ -2,7 +2,7 @@
 replica is overloaded.
 
 Replace each `raise NotImplementedError(...)` with your code, then run `make grade CH=09`.
-Plain Python is enough; do not import minillm.serving.routing_policies (that is what you are rebuilding).
+Plain Python is enough; do not import minillm.service.routing_policies (that is what you are rebuilding).
 `block_hash` (the engine's chained SHA-256 of one KV block) and `RouteRequest` are given.
 
 Several replicas of one engine serve the same model, each with its own prefix cache. A prompt whose leading
@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from minillm.block_manager import block_hash
-from minillm.serving.routing_policies import RouteRequest
+from minillm.service.routing_policies import RouteRequest
 
 
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"PDPair": ".pair", "KVConnector": ".connector", "KVTransferParams": ".kv_transfer",
-            "KVLayout": ".kv_transfer", "TransferRecord": ".kv_transfer"}
+_EXPORTS = {"PDPair": ".pair", "KVConnector": ".connector", "KVTransferParams": "..kv_handoff",
+            "KVLayout": "..kv_handoff", "TransferRecord": ".kv_transfer"}
 __all__ = list(_EXPORTS)
 
 

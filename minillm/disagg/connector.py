@@ -26,7 +26,8 @@ from ..kv_cache import KVCache
 from ..parallel.comm import Comm
 from ..sampling import SamplingParams, TokenLogprobs
 from ..sequence import Sequence
-from .kv_transfer import DECODE_RANK, PREFILL_RANK, KVLayout, KVTransferParams, TransferRecord
+from ..kv_handoff import KVLayout, KVTransferParams
+from .kv_transfer import DECODE_RANK, PREFILL_RANK, TransferRecord
 
 PRODUCER, CONSUMER = "kv_producer", "kv_consumer"  # vLLM's kv_role values
 STOP = 0  # a pull of transfer 0 ends the prefill side's thread (transfer ids start at 1)

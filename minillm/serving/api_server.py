@@ -29,7 +29,7 @@ from starlette.middleware.cors import CORSMiddleware
 from .async_llm import AsyncLLM, EngineDeadError, EngineOverloaded, EngineUnavailable, RequestFailed
 from .chat import chat_completion, template_error
 from .completions import completion
-from .gateway import RateLimit, RateLimiter
+from ..service.gateway import RateLimit, RateLimiter
 from .limits import ServerLimits
 from .middleware import ApiKeyAuth, BodyLimit, RequestId, error_response, internal_error
 from .prometheus import ServerMetrics

@@ -24,7 +24,7 @@ from ..engine_args import EngineArgs
 from ..weights import DEFAULT_MODEL
 from .api_server import build_app
 from .async_llm import AsyncLLM
-from .gateway import RateLimit
+from ..service.gateway import RateLimit
 from .limits import ServerLimits
 
 API_KEY_ENV = "MINILLM_API_KEY"  # the API key when --api-key is not given
@@ -226,7 +226,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.replicas > 1 or args.ray_address is not None or autoscaling is not None:
         if args.forwarded_allow_ips is not None:
             raise ValueError("--forwarded-allow-ips applies to the one-engine server, not to Ray Serve's proxy")
-        from .ray_app import serve_on_ray
+        from ..service.ray_app import serve_on_ray
 
         return serve_on_ray(args, autoscaling, app_kw)
     if args.router is not None:

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 from minillm.block_manager import block_hash
-from minillm.serving.routing_policies import RouteRequest
+from minillm.service.routing_policies import RouteRequest
 
 
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:

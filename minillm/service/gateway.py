@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from starlette.datastructures import Headers
 
-from .middleware import bearer_token, error_response, is_open
-from .protocol import OpenAIError
+from ..serving.middleware import bearer_token, error_response, is_open
+from ..serving.protocol import OpenAIError
 
 MAX_BUCKETS = 10_000  # beyond this, buckets that have refilled (idle clients) are dropped
 

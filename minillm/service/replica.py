@@ -19,7 +19,7 @@ from ..engine import LLMEngine
 from ..engine_args import EngineArgs
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
-from .async_llm import AsyncLLM
+from ..serving.async_llm import AsyncLLM
 from .ray_cluster import listen_on_node_ip
 
 

@@ -23,9 +23,9 @@ from ..engine import LLMEngine
 from ..output_processor import OutputProcessor
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
-from .api_server import REQUEST_USER
-from .async_llm import AsyncLLM, EngineDeadError, EngineOverloaded, EngineUnavailable, RequestFailed, RequestStream
-from .protocol import OpenAIError
+from ..serving.api_server import REQUEST_USER
+from ..serving.async_llm import AsyncLLM, EngineDeadError, EngineOverloaded, EngineUnavailable, RequestFailed, RequestStream
+from ..serving.protocol import OpenAIError
 from .replica_header import REPLICAS
 
 log = logging.getLogger("minillm.serving")

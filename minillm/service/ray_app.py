@@ -28,7 +28,7 @@ from ..engine import context_length, default_device_dtype
 from ..engine_args import EngineArgs
 from ..threads import available_cores
 from ..weights import DEFAULT_MODEL, resolve_model
-from .api_server import build_app
+from ..serving.api_server import build_app
 from .ray_cluster import LOOPBACK, QUIET, listen_on_node_ip, start_ray, start_serve
 from .replica_header import IngressHeaders
 from .remote_llm import RemoteLLM

@@ -34,7 +34,7 @@ from .outputs import RequestOutput
 from .parallel.config import ParallelConfig
 from .parallel.executor import MultiprocExecutor
 from .quant import quantize_model
-from .sampling import SamplingParams, TokenLogprobs
+from .sampling import SamplingParams, TokenLogprobs, bad_words_token_ids, check_token_ids
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, claim_request_id
 from .threads import configure_threads
@@ -236,18 +236,25 @@ class LLMEngine:
                        metrics: RequestMetrics) -> list[Sequence]:
         """One sequence per completion. The n > 1 siblings draw from seeds seed + i, and share the prompt's
         blocks through the prefix cache (the first computes the prompt and its log-probs; the rest wait).
-        Each knows the tokens that end it (EOS unless ignore_eos, and stop_token_ids, checked here)."""
-        check_stop_token_ids(params.stop_token_ids, self.config.vocab_size)
+        Each knows the tokens that end it (EOS unless ignore_eos, and stop_token_ids, checked here) and the token
+        spellings of its bad words; allowed_token_ids are checked here too."""
+        vocab = self.config.vocab_size
+        check_stop_token_ids(params.stop_token_ids, vocab)
+        check_allowed_token_ids(params.allowed_token_ids, vocab)
+        bad_words = bad_words_token_ids(params.bad_words or [],
+                                        lambda text: self.tokenizer(text, add_special_tokens=False).input_ids)
+        check_token_ids("bad_words", [t for word in bad_words for t in word], vocab)
         stop_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else self.eos_token_ids)
         if params.n == 1:
-            return [Sequence(request_id, text, token_ids, params, metrics, stop_token_ids=stop_ids)]
+            return [Sequence(request_id, text, token_ids, params, metrics, stop_token_ids=stop_ids,
+                             bad_words=bad_words)]
         seqs: list[Sequence] = []
         for i in range(params.n):
             child = replace(params, n=1, seed=None if params.seed is None else (params.seed + i) % 2 ** 64,
                             prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             leader = seqs[0] if seqs and self.block_manager.enable_prefix_caching else None
             seqs.append(Sequence(f"{i}_{request_id}", text, token_ids, child, metrics, index=i, leader=leader,
-                                 stop_token_ids=stop_ids))
+                                 stop_token_ids=stop_ids, bad_words=bad_words))
         return seqs
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -456,5 +463,13 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> N
 
 def check_stop_token_ids(stop_token_ids: list[int], vocab_size: int) -> None:
     """Reject stop token ids outside this vocabulary (ValueError naming them)."""
-    if bad := [t for t in stop_token_ids if t >= vocab_size]:
-        raise ValueError(f"stop_token_ids has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    check_token_ids("stop_token_ids", stop_token_ids, vocab_size)
+
+
+def check_allowed_token_ids(allowed_token_ids: list[int] | None, vocab_size: int) -> None:
+    """Reject allowed token ids outside this vocabulary, or more of them than it holds (ValueError naming them)."""
+    if allowed_token_ids is None:
+        return
+    if len(allowed_token_ids) > vocab_size:
+        raise ValueError(f"allowed_token_ids has {len(allowed_token_ids)} entries; the vocabulary has {vocab_size}")
+    check_token_ids("allowed_token_ids", allowed_token_ids, vocab_size)

@@ -14,7 +14,7 @@ from .layers import dispatch_mode_active
 from .model import CausalLM
 from .parallel.executor import MultiprocExecutor
 from .parallel.pipeline import StepPlan
-from .sampling import TokenLogprobs, apply_penalties, logprobs_of, sample
+from .sampling import TokenLogprobs, apply_masks, apply_penalties, logprobs_of, sample
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 
@@ -116,7 +116,7 @@ class ModelRunner:
                 row += 1
         sampled = [s for s, d in zip(seqs, done) if d]
         sample_logits = logits if len(sample_rows) == len(logits) else logits[sample_rows]
-        tokens = sample(apply_penalties(sample_logits, sampled), [s.params for s in sampled],
+        tokens = sample(apply_penalties(apply_masks(sample_logits, sampled), sampled), [s.params for s in sampled],
                         [s.generator for s in sampled]) if sampled else []
         token_logprobs = self._token_logprobs(sample_logits, sampled, tokens)  # the model's own distribution
         results, row, it = [], 0, iter(zip(tokens, token_logprobs))

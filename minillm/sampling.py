@@ -7,6 +7,7 @@ import enum
 import itertools
 import math
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,6 +43,40 @@ def _check_float(name: str, value, ok, bound: str) -> None:
         raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
 
 
+def _token_id_list(ids) -> bool:
+    return isinstance(ids, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                  for t in ids)
+
+
+def check_token_ids(name: str, ids: list[int], vocab_size: int) -> None:
+    """Reject token ids outside a vocabulary of `vocab_size` (a ValueError naming them)."""
+    if bad := [t for t in ids if t >= vocab_size]:
+        raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+def bad_words_token_ids(words: list[str], encode) -> tuple[tuple[int, ...], ...]:
+    """The token sequences that spell each of `words` (vLLM's rule): the word as written (leading spaces dropped),
+    and with one leading space when that spelling is a different first token and as many tokens. `encode` turns
+    text into token ids without special tokens."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(encode(word.lstrip()))
+        spaced = tuple(encode(" " + word.lstrip()))
+        out.append(bare)
+        if spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return tuple(out)
+
+
+def banned_tokens(bad_words: tuple[tuple[int, ...], ...], output: list[int]) -> Iterator[int]:
+    """The tokens that would complete a bad word now: each word's last token, when the output so far ends with
+    its other tokens (a one-token word is always banned)."""
+    for word in bad_words:
+        head = len(word) - 1
+        if head <= len(output) and (head == 0 or tuple(output[-head:]) == word[:-1]):
+            yield word[-1]
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token, how many completions, what to report and when to stop.
@@ -69,6 +104,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted once per earlier occurrence in the output
     include_stop_str_in_output: bool = False  # keep the matched stop string (or stop token's text) in the text
     skip_special_tokens: bool = True  # leave special tokens' text out of the output text
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    bad_words: list[str] | None = None  # words never generated (each with and without a leading space)
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -92,11 +129,21 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                         for t in ids):
+        if not _token_id_list(ids):
             raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0) or None, "
                              f"got {self.stop_token_ids!r}")
         self.stop_token_ids = list(ids)
+        if self.allowed_token_ids is not None:
+            if not _token_id_list(self.allowed_token_ids) or not self.allowed_token_ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (integers >= 0) or None, "
+                                 f"got {self.allowed_token_ids!r}")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) and w.strip()
+                                                                        for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of words (strings with some non-space text) or None, "
+                                 f"got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words)
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens, what=" (at most max_tokens)")
         _check_float("min_p", self.min_p, lambda p: 0 <= p <= 1, "in [0, 1]")
         low, high = REPETITION_PENALTY_RANGE
@@ -145,6 +192,27 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
     return torch.bincount(rows * vocab + ids, minlength=len(token_lists) * vocab).view(len(token_lists), vocab)
 
 
+def apply_masks(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """The tokens a sequence may not sample, set to -inf in `logits [seqs, vocab]` before anything else (vLLM's
+    order): those outside its `allowed_token_ids`, and those that would complete one of its `bad_words`.
+
+    Returns `logits` itself when no sequence has either, else a float32 copy.
+    """
+    allowed = [i for i, s in enumerate(seqs) if s.params.allowed_token_ids]
+    banned = [(i, t) for i, s in enumerate(seqs) if s.bad_words for t in banned_tokens(s.bad_words, s.output_token_ids)]
+    if not allowed and not banned:
+        return logits
+    logits = logits.to(torch.float32, copy=True)
+    if allowed:
+        keep = torch.zeros(len(allowed), logits.shape[-1], dtype=torch.bool, device=logits.device)
+        ids = [seqs[i].params.allowed_token_ids for i in allowed]
+        keep[[j for j, row in enumerate(ids) for _ in row], list(itertools.chain.from_iterable(ids))] = True
+        logits[allowed] = logits[allowed].masked_fill(~keep, float("-inf"))
+    if banned:
+        logits[[i for i, _ in banned], [t for _, t in banned]] = float("-inf")
+    return logits
+
+
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """The rules that change even a greedy choice, applied to `logits [seqs, vocab]` before temperature (vLLM's
     order): before `min_tokens` a sequence's stop tokens (EOS, stop_token_ids) are set to -inf; then the
@@ -181,9 +249,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     """One token per row of `logits [seqs, vocab]`: argmax when greedy, else a draw from the filtered softmax.
 
     Each sequence draws from its own generator, so a seeded request samples the same text whatever it is
-    batched with. Penalties, when asked for, are already in `logits` (`apply_penalties`). A row whose top logit
-    is not finite (a NaN or +inf in it, or every token at -inf) has no distribution: its token is None, and
-    the other rows are sampled as usual.
+    batched with. Masks and penalties, when asked for, are already in `logits` (`apply_masks`,
+    `apply_penalties`). A row whose top logit is not finite (a NaN or +inf in it, or every token at -inf) has no
+    distribution: its token is None, and the other rows are sampled as usual.
     """
     # one pass over the logits and one transfer from the device: each row's argmax (its first top value, as
     # `argmax`), or -1 where that top value is not finite
@@ -218,7 +286,8 @@ class TokenLogprobs:
 def logprobs_of(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprobs]:
     """Log-softmax of each row of `logits [rows, vocab]` at `token_ids[row]`, with its rank and the top `k`.
 
-    These are the model's own distribution, before temperature, top-k or top-p (vLLM's "raw_logprobs").
+    These are the model's own distribution, before masks, penalties, temperature, top-k or top-p (vLLM's
+    "raw_logprobs").
     """
     logp = torch.log_softmax(logits.float(), dim=-1)
     ids = torch.tensor(token_ids, device=logp.device)

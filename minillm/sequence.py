@@ -56,6 +56,7 @@ class Sequence:
     generator: torch.Generator | None = None
     # the tokens that end it: EOS unless ignore_eos, and params.stop_token_ids (min_tokens keeps them out)
     stop_token_ids: frozenset[int] = frozenset()
+    bad_words: tuple[tuple[int, ...], ...] = ()  # the token spellings of params.bad_words, never completed
     completion: CompletionState | None = None  # its text and log-probs as the caller sees them
     # chapter 9, prefill/decode disaggregation: a prefill whose blocks are held for a decode instance to pull,
     # and a decode whose prompt's K/V another instance computed (cleared once they are installed here)

@@ -13,7 +13,7 @@ from ..sampling import SamplingParams
 from .async_llm import RequestStream
 from .protocol import ChatCompletionRequest, OpenAIError
 from .serving_engine import (Served, Stream, finals, lp, prompt_logprobs_json, sampling_params, start,
-                             stream_usage, usage)
+                             stream_usage, truncate, usage)
 
 
 def template_error(e: ValueError) -> OpenAIError:
@@ -32,6 +32,9 @@ def prepare_chat(served: Served, req: ChatCompletionRequest) -> tuple[list[int],
                                              req.chat_template_kwargs)
     except ValueError as e:
         raise template_error(e) from None
+    if req.add_special_tokens:  # what the tokenizer adds to any text (a BOS), ahead of the template's
+        ids = served.llm.encode("", True) + ids
+    ids = truncate(served, ids, req.truncate_prompt_tokens)
     served.check_prompt(ids, "messages")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None

@@ -18,7 +18,7 @@ from ..sampling import SamplingParams
 from .async_llm import RequestStream
 from .protocol import CompletionRequest
 from .serving_engine import (Served, Stream, close_all, finals, lp, merged, prompt_logprobs_json, sampling_params,
-                             start, stream_usage, top, usage)
+                             start, stream_usage, top, truncate, usage)
 
 
 @dataclass
@@ -60,11 +60,13 @@ def prepare_completion(served: Served,
     prompt_k = max((k for k in (echo_k, req.prompt_logprobs) if k is not None), default=None)
     ids, texts, params = [], [], []
     for prompt in req.prompts():
-        token_ids = served.llm.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        given = served.llm.encode(prompt, req.add_special_tokens) if isinstance(prompt, str) else list(prompt)
+        token_ids = truncate(served, given, req.truncate_prompt_tokens)
         served.check_prompt(token_ids, "prompt")
         params.append(sampling_params(served, req, len(token_ids), req.max_tokens, req.logprobs, prompt_k))
         ids.append(token_ids)
-        texts.append(prompt if isinstance(prompt, str) else served.llm.tokenizer.decode(token_ids))
+        whole = isinstance(prompt, str) and len(token_ids) == len(given)
+        texts.append(prompt if whole else served.llm.tokenizer.decode(token_ids))
     return ids, texts, params
 
 

@@ -1,19 +1,24 @@
 """Chapter 8 — the OpenAI request schemas the server accepts, validated by pydantic at the edge.
 
 Fields follow OpenAI's API and vLLM's additions (`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`,
-`prompt_logprobs`, `chat_template_kwargs`, ...). Every field named here is honoured, or refused with a 400
-naming it when set to something the engine cannot do (`logit_bias`, `tools`, JSON mode, `suffix`, `best_of`
-other than n); `user` is an end-user label and only accepted. Fields not named here are accepted and
-ignored, as vLLM does. Value ranges are checked by `SamplingParams` and by the server's limits.
+`allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`, `prompt_logprobs`, `chat_template_kwargs`, ...).
+Every field named here is honoured, or refused with a 400 naming it when set to something the engine cannot do
+(`logit_bias`, guided decoding, tools, JSON mode, beam search, `suffix`, `best_of` other than n: the `UNSUPPORTED`
+tables); `user` is an end-user label and only accepted. Other fields (a typo such as `max_token`) are accepted and
+ignored, as vLLM does, and logged once per request. Value ranges are checked by `SamplingParams` and by the
+server's limits.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import logging
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictBool, StrictInt, StrictStr
 
 from ..sampling import SEED_RANGE
+
+log = logging.getLogger("minillm.serving")
 
 
 class OpenAIError(Exception):
@@ -30,7 +35,37 @@ class OpenAIError(Exception):
 
 
 class Request(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown fields are tolerated
+    """A request body (or a part of one). Unknown fields are tolerated; `ignored_fields` names them.
+
+    `UNSUPPORTED` maps the fields this server knows but cannot honour to the values that ask for nothing (their
+    defaults): any other value is refused by `check_unsupported`."""
+
+    model_config = ConfigDict(extra="allow")
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
+
+    def check_unsupported(self) -> None:
+        """A 400 naming the first field of `UNSUPPORTED` set to a value other than its neutral ones."""
+        extra = self.model_extra or {}
+        for name, neutral in self.UNSUPPORTED.items():
+            if name in extra and extra[name] not in neutral:
+                raise OpenAIError(f"{name} is not supported by this server", param=name)
+
+    def ignored_fields(self, prefix: str = "") -> list[str]:
+        """The unknown fields here and in the parts within (dotted paths): what the server leaves unread."""
+        names = [prefix + k for k in self.model_extra or {} if k not in self.UNSUPPORTED]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            for i, part in enumerate(value if isinstance(value, list) else [value]):
+                if isinstance(part, Request):
+                    names += part.ignored_fields(f"{prefix}{name}.{i}." if isinstance(value, list) else
+                                                 f"{prefix}{name}.")
+        return names
+
+    def log_ignored(self) -> None:
+        """One warning per request naming the fields it sent that nothing reads (vLLM's wording)."""
+        if names := self.ignored_fields():
+            log.warning("The following fields were present in the request but ignored: {%s}",
+                        ", ".join(repr(n) for n in names))
 
 
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
@@ -43,8 +78,27 @@ class StreamOptions(Request):
     continuous_usage_stats: StrictBool = False  # vLLM: the usage so far in every chunk
 
 
+# guided decoding (vLLM's guided_* fields, structured_outputs, OpenAI's JSON modes), beam search and the other
+# fields the engine has no machinery for: refused unless they ask for nothing
+_SHARED_UNSUPPORTED = {
+    **dict.fromkeys(["guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+                     "guided_whitespace_pattern", "structured_outputs", "logits_processors", "kv_transfer_params",
+                     "cache_salt", "vllm_xargs"], (None,)),
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1),  # scores beams: beam search only
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "spaces_between_special_tokens": (None, True),
+    "priority": (None, 0),  # the scheduler serves requests first come, first served
+}
+
+
 class SamplingRequest(Request):
     """Fields shared by completions and chat completions."""
+
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = _SHARED_UNSUPPORTED
 
     model: StrictStr | None = None
     n: Annotated[StrictInt, Field(ge=1)] = 1
@@ -66,20 +120,26 @@ class SamplingRequest(Request):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
-    # accepted at their neutral values only: the engine implements neither
-    logit_bias: dict[str, Any] | None = None
-    best_of: StrictInt | None = None
+    allowed_token_ids: TokenIds | None = None  # vLLM: only these tokens may be sampled
+    bad_words: list[StrictStr] | None = None  # vLLM: words never generated
+    truncate_prompt_tokens: StrictInt | None = None  # vLLM: keep the prompt's last k tokens (-1: what fits)
+    best_of: StrictInt | None = None  # accepted equal to n only: the engine returns every completion it makes
 
     def check(self) -> None:
-        """A 400 naming the first field set to something this server cannot do, or that contradicts another."""
-        if self.logit_bias:
-            raise _unsupported("logit_bias")
+        """A 400 naming the first field set to something this server cannot do, or that contradicts another; a
+        warning naming the fields that nothing reads."""
+        self.check_unsupported()
         if self.best_of not in (None, self.n):
             raise _unsupported("best_of")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 and \
+                self.truncate_prompt_tokens != -1:
+            raise OpenAIError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for as many as the context "
+                              f"holds, got {self.truncate_prompt_tokens}", param="truncate_prompt_tokens")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options is only allowed with stream set to true", param="stream_options")
         if self.prompt_logprobs is not None and self.stream:  # as vLLM: they come in the response body
             raise OpenAIError("prompt_logprobs is not available with stream set to true", param="prompt_logprobs")
+        self.log_ignored()
 
 
 def _unsupported(field: str) -> OpenAIError:
@@ -93,7 +153,10 @@ class CompletionRequest(SamplingRequest):
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
     logprobs: Count | None = None
     echo: StrictBool = False
+    add_special_tokens: StrictBool = True  # vLLM: the tokenizer's special tokens (a BOS) around a text prompt
     suffix: StrictStr | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_SHARED_UNSUPPORTED, "prompt_embeds": (None,)}
 
     def check(self) -> None:
         if self.suffix:
@@ -146,14 +209,16 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False  # the last (assistant) message is left open and continued
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    add_special_tokens: StrictBool = False  # vLLM: the tokenizer's special tokens (a BOS) ahead of the template's
+    parallel_tool_calls: StrictBool | None = None  # about tools, which are refused: nothing to do
+
+    # tool and function calling, per-request templates, documents and other modalities
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **_SHARED_UNSUPPORTED, "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
+        "function_call": (None, "none"), "chat_template": (None,), "documents": (None,), "mm_processor_kwargs": (None,),
+        "audio": (None,), "modalities": (None, ["text"]), "web_search_options": (None,), "reasoning_effort": (None,)}
 
     def check(self) -> None:
-        if self.tools:
-            raise _unsupported("tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise _unsupported("response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError("top_logprobs needs logprobs set to true", param="top_logprobs")
         check_continue(self.continue_final_message, self.add_generation_prompt)

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..engine import check_allowed_token_ids, check_stop_token_ids
 from ..outputs import PositionLogprobs, RequestOutput
 from ..sampling import RequestOutputKind, SamplingParams
 from .async_llm import AsyncLLM, RequestStream
@@ -63,6 +64,18 @@ def _or(value, default):
     return default if value is None else value
 
 
+def truncate(served: Served, token_ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as the context holds, one
+    place left for the reply); a 400 naming the field when `keep` is more than that."""
+    if keep is None:
+        return token_ids
+    most = served.llm.max_model_len - 1
+    if keep > most:
+        raise OpenAIError(f"truncate_prompt_tokens is {keep}, but this model's context holds at most {most} prompt "
+                          "tokens (and one to generate)", param="truncate_prompt_tokens")
+    return token_ids[-(most if keep == -1 else keep):]
+
+
 def sampling_params(served: Served, req: SamplingRequest, prompt_len: int, max_tokens: int | None,
                     logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
     """The engine's parameters for one prompt of a request; a 400 for anything out of range."""
@@ -76,10 +89,9 @@ def sampling_params(served: Served, req: SamplingRequest, prompt_len: int, max_t
                           f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
                           "completion). Please reduce the prompt or max_tokens.", param="max_tokens",
                           code="context_length_exceeded")
-    if bad := [t for t in req.stop_token_ids or [] if t >= served.llm.vocab_size]:
-        raise OpenAIError(f"stop_token_ids outside the vocabulary [0, {served.llm.vocab_size}): {bad[:5]}",
-                          param="stop_token_ids")
     try:
+        check_stop_token_ids(req.stop_token_ids or [], served.llm.vocab_size)
+        check_allowed_token_ids(req.allowed_token_ids, served.llm.vocab_size)
         return SamplingParams(
             n=req.n, temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0), top_k=req.top_k or 0,
             min_p=_or(req.min_p, 0.0), max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
@@ -87,8 +99,8 @@ def sampling_params(served: Served, req: SamplingRequest, prompt_len: int, max_t
             include_stop_str_in_output=req.include_stop_str_in_output,
             repetition_penalty=_or(req.repetition_penalty, 1.0), presence_penalty=_or(req.presence_penalty, 0.0),
             frequency_penalty=_or(req.frequency_penalty, 0.0), skip_special_tokens=req.skip_special_tokens,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words, output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY)
     except ValueError as e:
         raise OpenAIError(str(e), param=_param(str(e))) from None
 
@@ -101,10 +113,12 @@ def start(served: Served, request_id: str, prompts: list[list[int]],
     try:
         for i, (ids, p) in enumerate(zip(prompts, params)):
             streams.append(served.llm.add_request(f"{request_id}-{i}", ids, p))
-    except BaseException:
+    except BaseException as e:
         for s in streams:
             served.llm.abort_nowait(s.request_id)
             served.llm.forget(s.request_id)
+        if isinstance(e, ValueError):  # a parameter the engine refused (a bad word outside its vocabulary)
+            raise OpenAIError(str(e), param=_param(str(e))) from None
         raise
     return streams
 

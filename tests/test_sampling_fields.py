@@ -1,6 +1,6 @@
 """vLLM's further sampling fields, each against a reference computed by hand from the model's own logits:
 stop_token_ids, min_tokens, min_p, the repetition, frequency and presence penalties,
-include_stop_str_in_output and skip_special_tokens."""
+include_stop_str_in_output, skip_special_tokens, and the masks allowed_token_ids and bad_words."""
 
 import math
 from collections import Counter
@@ -11,7 +11,7 @@ import torch
 from conftest import DEVICE
 from minillm import LLM, SamplingParams
 from minillm.metrics import RequestMetrics
-from minillm.sampling import apply_penalties, filter_logits
+from minillm.sampling import apply_masks, apply_penalties, bad_words_token_ids, filter_logits
 from minillm.sequence import Sequence
 from tiny_models import build_tiny_model
 
@@ -54,7 +54,9 @@ def penalized(logits, prompt, output, repetition=1.0, frequency=0.0, presence=0.
     dict(min_p=math.nan), dict(repetition_penalty=0.0), dict(repetition_penalty=-1.0),
     dict(repetition_penalty=math.inf), dict(presence_penalty=2.5), dict(presence_penalty=-3),
     dict(frequency_penalty=math.nan), dict(frequency_penalty="1"), dict(include_stop_str_in_output=1),
-    dict(skip_special_tokens="no")])
+    dict(skip_special_tokens="no"), dict(allowed_token_ids=[]), dict(allowed_token_ids=[-1]),
+    dict(allowed_token_ids=5), dict(allowed_token_ids=[2.0]), dict(bad_words="word"), dict(bad_words=[""]),
+    dict(bad_words=["  "]), dict(bad_words=[3])])
 def test_bad_values_are_named(bad):
     (name,) = bad
     with pytest.raises(ValueError, match=f"^{name} "):
@@ -198,3 +200,125 @@ def test_min_tokens_holds_off_stop_strings(llm):
     stop = free.text[3:5]
     out = run(llm, "The quick", greedy(20, ignore_eos=True, stop=[stop], min_tokens=20))
     assert (out.text, out.finish_reason, out.stop_reason) == (free.text, "length", None)
+
+
+def greedy_by_hand(llm, prompt: list[int], n: int, banned) -> list[int]:
+    """Greedy decoding from the model's own logits, with `banned(output so far)` tokens set to -inf each step."""
+    out: list[int] = []
+    for _ in range(n):
+        logits = llm.engine.next_token_logits(prompt + out).clone()
+        logits[list(banned(out))] = float("-inf")
+        out.append(int(logits.argmax()))
+    return out
+
+
+def spelled_word(llm, token_ids: list[int], length: int) -> tuple[int, str]:
+    """The first place where `length` output tokens spell printable text that encodes back to exactly them."""
+    tok = llm.get_tokenizer()
+    for i in range(len(token_ids) - length + 1):
+        word = tok.decode(token_ids[i:i + length])
+        if word.strip() == word and word.isprintable() and \
+                tok(word, add_special_tokens=False).input_ids == token_ids[i:i + length]:
+            return i, word
+    raise AssertionError(f"no {length}-token word in the output")
+
+
+def test_allowed_token_ids_greedy_is_the_argmax_over_them(llm):
+    prompt = llm.get_tokenizer()(SENTENCE).input_ids
+    plain = run(llm, prompt, greedy(12, ignore_eos=True)).token_ids
+    allowed = sorted(set(range(40, 80)) - set(plain))
+    out = run(llm, prompt, greedy(12, ignore_eos=True, allowed_token_ids=allowed)).token_ids
+    others = [t for t in range(llm.engine.config.vocab_size) if t not in allowed]
+    assert out == greedy_by_hand(llm, prompt, 12, lambda _: others) and set(out) <= set(allowed)
+
+
+def test_allowed_token_ids_sampled_draw_only_those_and_logprobs_stay_the_models_own(llm):
+    prompt = llm.get_tokenizer()(SENTENCE).input_ids
+    allowed = [5, 60, 61, 200]
+    out = llm.generate([prompt], SamplingParams(n=16, temperature=1.0, seed=1, max_tokens=4, ignore_eos=True,
+                                                allowed_token_ids=allowed, logprobs=2), use_tqdm=False)[0]
+    drawn = {t for o in out.outputs for t in o.token_ids}
+    assert drawn <= set(allowed) and len(drawn) > 1
+    first = out.outputs[0]
+    raw = torch.log_softmax(llm.engine.next_token_logits(prompt), -1)
+    # vLLM's "raw_logprobs": the mask shapes the draw, the log-probs are those of the unmasked distribution
+    assert first.logprobs[0][first.token_ids[0]].logprob == pytest.approx(float(raw[first.token_ids[0]]), abs=1e-4)
+    top2 = raw.topk(2).indices.tolist()
+    assert set(top2) <= set(first.logprobs[0]) and not set(top2) <= set(allowed)
+
+
+def test_allowed_token_ids_outside_the_vocabulary_are_refused(llm):
+    vocab = llm.engine.config.vocab_size
+    for bad, match in [([vocab], "allowed_token_ids .* outside the vocabulary"),
+                       ([1] * (vocab + 1), "allowed_token_ids has .* entries")]:
+        with pytest.raises(ValueError, match=match):
+            llm.generate(["a"], greedy(3, allowed_token_ids=bad), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_bad_words_spellings_follow_vllm():
+    vocab = {"ab": [1, 2], " ab": [3, 2], "c": [4], " c": [5, 6], "d": [7], " d": [7]}
+    spelled = bad_words_token_ids([" ab", "c", "d"], lambda text: vocab[text])
+    # the leading space dropped; the spaced spelling kept when it starts differently and is as long
+    assert spelled == ((1, 2), (3, 2), (4,), (7,))
+
+
+def test_a_one_token_bad_word_never_appears(llm):
+    tok = llm.get_tokenizer()
+    prompt = tok(SENTENCE).input_ids
+    plain = run(llm, prompt, greedy(16, ignore_eos=True)).token_ids
+    i, word = spelled_word(llm, plain, 1)
+    banned = {t for spelling in bad_words_token_ids([word], lambda s: tok(s, add_special_tokens=False).input_ids)
+              for t in spelling}
+    out = run(llm, prompt, greedy(16, ignore_eos=True, bad_words=[word])).token_ids
+    assert out[:i] == plain[:i] and out[i] != plain[i] and not banned & set(out)
+    assert out == greedy_by_hand(llm, prompt, 16, lambda _: banned)
+
+
+def test_a_longer_bad_word_bans_its_last_token_only_after_the_others(llm):
+    tok = llm.get_tokenizer()
+    prompt = tok("Large language models").input_ids
+    plain = run(llm, prompt, greedy(30, ignore_eos=True)).token_ids
+    i, word = spelled_word(llm, plain, 2)
+    spellings = bad_words_token_ids([word], lambda s: tok(s, add_special_tokens=False).input_ids)
+
+    def banned(out):
+        return [w[-1] for w in spellings if tuple(out[len(out) - len(w) + 1:]) == w[:-1]]
+
+    out = run(llm, prompt, greedy(30, ignore_eos=True, bad_words=[word])).token_ids
+    assert out[:i + 1] == plain[:i + 1] and out[i + 1] != plain[i + 1]  # its first token is still free
+    assert out == greedy_by_hand(llm, prompt, 30, banned)
+    assert not any(tuple(out[j:j + len(w)]) == w for w in spellings for j in range(len(out)))
+
+
+def test_masks_cost_nothing_when_off_and_batched_rows_match_their_runs_alone(llm):
+    logits = torch.randn(2, 8)
+    seqs = [Sequence("r", None, [1, 2], SamplingParams(), RequestMetrics(0.0)) for _ in range(2)]
+    assert apply_masks(logits, seqs) is logits
+    tok = llm.get_tokenizer()
+    prompts = [tok(SENTENCE).input_ids, tok("Large language models").input_ids, tok("模型").input_ids,
+               tok("Prefill builds").input_ids]
+    _, word = spelled_word(llm, run(llm, prompts[1], greedy(30, ignore_eos=True)).token_ids, 2)
+    params = [greedy(8, ignore_eos=True, allowed_token_ids=list(range(50, 90))), greedy(8, ignore_eos=True),
+              greedy(8, ignore_eos=True, bad_words=[word]),
+              SamplingParams(temperature=1.0, seed=4, max_tokens=8, ignore_eos=True, allowed_token_ids=[7, 8, 9])]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert together == [run(llm, p, q).token_ids for p, q in zip(prompts, params)]
+    assert together[2] != run(llm, prompts[1], greedy(8, ignore_eos=True)).token_ids
+
+
+def test_bad_words_hold_with_prefix_caching_and_n(llm):
+    """The second run finds the prompt's blocks in the cache; the masks read each sequence's own output."""
+    assert llm.engine.block_manager.enable_prefix_caching
+    tok = llm.get_tokenizer()
+    prompt = tok(SENTENCE + " Large language models").input_ids
+    plain = run(llm, prompt, greedy(20, ignore_eos=True)).token_ids
+    i, word = spelled_word(llm, plain, 1)
+    params = SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=6, ignore_eos=True, bad_words=[word],
+                            allowed_token_ids=sorted(set(range(120)) | {plain[i]}))
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    hits = llm.engine.block_manager.hit_tokens
+    second = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert llm.engine.block_manager.hit_tokens - hits >= 3 * (len(prompt) // 4 * 4 - 4)  # the prompt came cached
+    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in second.outputs]
+    assert all(plain[i] not in o.token_ids and max(o.token_ids) < 120 for o in first.outputs)

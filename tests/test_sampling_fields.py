@@ -13,7 +13,7 @@ from minillm import LLM, SamplingParams
 from minillm.metrics import RequestMetrics
 from minillm.sampling import apply_masks, apply_penalties, bad_words_token_ids, filter_logits
 from minillm.sequence import Sequence
-from tiny_models import build_tiny_model
+from tiny_models import build_tiny_model, spelled_word
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. Prefill builds the cache; decode reads it."
 
@@ -212,17 +212,6 @@ def greedy_by_hand(llm, prompt: list[int], n: int, banned) -> list[int]:
     return out
 
 
-def spelled_word(llm, token_ids: list[int], length: int) -> tuple[int, str]:
-    """The first place where `length` output tokens spell printable text that encodes back to exactly them."""
-    tok = llm.get_tokenizer()
-    for i in range(len(token_ids) - length + 1):
-        word = tok.decode(token_ids[i:i + length])
-        if word.strip() == word and word.isprintable() and \
-                tok(word, add_special_tokens=False).input_ids == token_ids[i:i + length]:
-            return i, word
-    raise AssertionError(f"no {length}-token word in the output")
-
-
 def test_allowed_token_ids_greedy_is_the_argmax_over_them(llm):
     prompt = llm.get_tokenizer()(SENTENCE).input_ids
     plain = run(llm, prompt, greedy(12, ignore_eos=True)).token_ids
@@ -267,7 +256,7 @@ def test_a_one_token_bad_word_never_appears(llm):
     tok = llm.get_tokenizer()
     prompt = tok(SENTENCE).input_ids
     plain = run(llm, prompt, greedy(16, ignore_eos=True)).token_ids
-    i, word = spelled_word(llm, plain, 1)
+    i, word = spelled_word(llm.get_tokenizer(), plain, 1)
     banned = {t for spelling in bad_words_token_ids([word], lambda s: tok(s, add_special_tokens=False).input_ids)
               for t in spelling}
     out = run(llm, prompt, greedy(16, ignore_eos=True, bad_words=[word])).token_ids
@@ -279,7 +268,7 @@ def test_a_longer_bad_word_bans_its_last_token_only_after_the_others(llm):
     tok = llm.get_tokenizer()
     prompt = tok("Large language models").input_ids
     plain = run(llm, prompt, greedy(30, ignore_eos=True)).token_ids
-    i, word = spelled_word(llm, plain, 2)
+    i, word = spelled_word(llm.get_tokenizer(), plain, 2)
     spellings = bad_words_token_ids([word], lambda s: tok(s, add_special_tokens=False).input_ids)
 
     def banned(out):
@@ -298,7 +287,7 @@ def test_masks_cost_nothing_when_off_and_batched_rows_match_their_runs_alone(llm
     tok = llm.get_tokenizer()
     prompts = [tok(SENTENCE).input_ids, tok("Large language models").input_ids, tok("模型").input_ids,
                tok("Prefill builds").input_ids]
-    _, word = spelled_word(llm, run(llm, prompts[1], greedy(30, ignore_eos=True)).token_ids, 2)
+    _, word = spelled_word(llm.get_tokenizer(), run(llm, prompts[1], greedy(30, ignore_eos=True)).token_ids, 2)
     params = [greedy(8, ignore_eos=True, allowed_token_ids=list(range(50, 90))), greedy(8, ignore_eos=True),
               greedy(8, ignore_eos=True, bad_words=[word]),
               SamplingParams(temperature=1.0, seed=4, max_tokens=8, ignore_eos=True, allowed_token_ids=[7, 8, 9])]
@@ -313,7 +302,7 @@ def test_bad_words_hold_with_prefix_caching_and_n(llm):
     tok = llm.get_tokenizer()
     prompt = tok(SENTENCE + " Large language models").input_ids
     plain = run(llm, prompt, greedy(20, ignore_eos=True)).token_ids
-    i, word = spelled_word(llm, plain, 1)
+    i, word = spelled_word(llm.get_tokenizer(), plain, 1)
     params = SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=6, ignore_eos=True, bad_words=[word],
                             allowed_token_ids=sorted(set(range(120)) | {plain[i]}))
     first = llm.generate([prompt], params, use_tqdm=False)[0]

@@ -60,3 +60,14 @@ def build_tiny_model(out: Path, arch: str = "llama", tie: bool = True, seed: int
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**cfg))
     model.save_pretrained(out)
     return out
+
+
+def spelled_word(tokenizer, token_ids: list[int], length: int) -> tuple[int, str]:
+    """Where `length` tokens of `token_ids` first spell printable text that encodes back to exactly them, and that
+    text (a word to use as a bad word: random weights mostly write stray bytes)."""
+    for i in range(len(token_ids) - length + 1):
+        word = tokenizer.decode(token_ids[i:i + length])
+        if word.strip() == word and word.isprintable() and \
+                tokenizer(word, add_special_tokens=False).input_ids == token_ids[i:i + length]:
+            return i, word
+    raise AssertionError(f"no {length}-token word in {token_ids}")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -199,7 +199,8 @@ def apply_masks(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     Returns `logits` itself when no sequence has either, else a float32 copy.
     """
     allowed = [i for i, s in enumerate(seqs) if s.params.allowed_token_ids]
-    banned = [(i, t) for i, s in enumerate(seqs) if s.bad_words for t in banned_tokens(s.bad_words, s.output_token_ids)]
+    banned = [(i, t) for i, s in enumerate(seqs) if s.bad_words
+              for t in banned_tokens(s.bad_words, s.output_token_ids)]
     if not allowed and not banned:
         return logits
     logits = logits.to(torch.float32, copy=True)

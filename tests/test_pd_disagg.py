@@ -256,6 +256,8 @@ def test_pair_equals_one_engine(tiny_llama, single):
             if params.prompt_logprobs:
                 assert [None if p is None else sorted(p) for p in got[0].prompt_logprobs] == \
                     [None if p is None else sorted(p) for p in want[0].prompt_logprobs]
+        with pytest.raises(ValueError, match="allowed_token_ids has token ids outside"):  # refused before queuing
+            pair.add_request(None, PROMPTS[0], SamplingParams(allowed_token_ids=[10 ** 6]))
         # abort while the pair works: every block comes back on both sides
         rid = pair.add_request(None, PROMPTS[4], SamplingParams(max_tokens=200, ignore_eos=True))
         deadline = time.monotonic() + 30

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 from ..config import ModelConfig
-from ..engine import check_prompt, check_stop_token_ids
+from ..engine import check_allowed_token_ids, check_prompt, check_stop_token_ids
 from ..engine_args import EngineArgs
 from ..outputs import RequestOutput
 from ..parallel.comm import free_port
@@ -240,6 +240,7 @@ class PDPair:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         check_stop_token_ids(params.stop_token_ids, self.vocab_size)
+        check_allowed_token_ids(params.allowed_token_ids, self.vocab_size)
         check_remote_decode(prefill_params(params))
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

@@ -143,7 +143,9 @@ def test_bad_words_are_never_generated(client, offline, path, base, length):
     assert served_text(client, path, body) == plain.text
 
 
-@pytest.mark.parametrize("bad", [[""], ["  "], "word", [3], [None]])
+# the last two are over --max-stops (16) and --max-stop-chars (256), as stop strings: each bad word is tokenized
+# when the request is added and checked at every step
+@pytest.mark.parametrize("bad", [[""], ["  "], "word", [3], [None], ["w"] * 17, ["w" * 257]])
 def test_bad_bad_words_are_refused_by_name(client, bad):
     assert refused(client, "/v1/completions", {"prompt": PROMPT, "bad_words": bad}) == "bad_words"
 

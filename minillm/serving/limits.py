@@ -28,8 +28,8 @@ class ServerLimits:
     max_prompt_tokens: int | None = _limit(None, "tokens of a prompt (default: the model's context)")
     max_n: int = _limit(16, f"completions per prompt, n (at most {MAX_N})")
     max_logprobs: int = _limit(MAX_LOGPROBS, f"logprobs, top_logprobs and prompt_logprobs (at most {MAX_LOGPROBS})")
-    max_stops: int = _limit(16, "stop strings, and stop token ids, per request")
-    max_stop_chars: int = _limit(256, "characters of one stop string")
+    max_stops: int = _limit(16, "stop strings, stop token ids, and bad words, per request")
+    max_stop_chars: int = _limit(256, "characters of one stop string or bad word")
     max_completion_tokens: int | None = _limit(None, "max_tokens of a request (default: up to the model's context)")
     max_messages: int = _limit(256, "messages in one chat request")
 
@@ -103,6 +103,9 @@ class ServerLimits:
         for s in stops:
             self.over("stop", "characters in one stop string", len(s), "max_stop_chars")
         self.over("stop_token_ids", "stop token ids", len(req.stop_token_ids or []), "max_stops")
+        self.over("bad_words", "bad words", len(req.bad_words or []), "max_stops")
+        for w in req.bad_words or []:
+            self.over("bad_words", "characters in one bad word", len(w), "max_stop_chars")
         if max_tokens is not None and max_tokens_param in req.model_fields_set:  # a default is capped instead
             self.over(max_tokens_param, "tokens", max_tokens, "max_completion_tokens")
         seqs = num_prompts * req.n

@@ -48,7 +48,7 @@ class Request(BaseModel):
         extra = self.model_extra or {}
         for name, neutral in self.UNSUPPORTED.items():
             if name in extra and extra[name] not in neutral:
-                raise OpenAIError(f"{name} is not supported by this server", param=name)
+                raise _unsupported(name)
 
     def ignored_fields(self, prefix: str = "") -> list[str]:
         """The unknown fields here and in the parts within (dotted paths): what the server leaves unread."""

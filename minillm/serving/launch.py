@@ -31,7 +31,7 @@ from .middleware import api_keys, bind_hosts
 API_KEY_ENV = "MINILLM_API_KEY"  # the API keys (comma-separated) when --api-key is not given
 LIMIT_CONCURRENCY = 1024  # connections, or requests in progress, beyond which uvicorn answers 503
 TIMEOUT_KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this (uvicorn's default)
-MAX_HEADER_BYTES = 16 << 10  # a request line and headers beyond this are refused (400; h11's default)
+MAX_HEADER_BYTES = 16 << 10  # request line and headers still unfinished past this are refused (400; h11's default)
 AUTOSCALING_FLAGS = (  # Serve's autoscaling_config, one flag per field
     ("--min-replicas", int, "autoscaling: fewest replicas (default: 1); 0 scales to zero when idle "
                       "and needs --num-kv-blocks"),
@@ -70,8 +70,8 @@ def uvicorn_config(app, forwarded_allow_ips: str | None, limit_concurrency: int 
     """uvicorn's settings for the app (`kw`), believing `X-Forwarded-For` and `-Proto` only from the proxies at
     `forwarded_allow_ips`: uvicorn's default trusts 127.0.0.1, so any local client could name its own address,
     and with it its rate-limit bucket. Connections are bounded: `limit_concurrency` (a 503 beyond),
-    `timeout_keep_alive` seconds idle, `max_header_bytes` of request line and headers (h11's parser, whose cap
-    uvicorn sets; httptools' it does not)."""
+    `timeout_keep_alive` seconds idle, `max_header_bytes` of request line and headers not yet complete (a cap
+    of h11's parser, which uvicorn sets; of httptools', the default where installed, it sets none)."""
     return uvicorn.Config(app, proxy_headers=bool(forwarded_allow_ips),
                           forwarded_allow_ips=forwarded_allow_ips or None, limit_concurrency=limit_concurrency,
                           timeout_keep_alive=timeout_keep_alive, http="h11",
@@ -207,8 +207,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     conn.add_argument("--timeout-keep-alive", type=float, default=TIMEOUT_KEEP_ALIVE_S, metavar="S",
                       help=f"seconds an idle keep-alive connection stays open (default: {TIMEOUT_KEEP_ALIVE_S})")
     conn.add_argument("--max-header-bytes", type=int, default=MAX_HEADER_BYTES, metavar="BYTES",
-                      help="request line and headers beyond this size are refused with a 400 (uvicorn's "
-                           f"h11_max_incomplete_event_size; default: {MAX_HEADER_BYTES})")
+                      help="a request line and headers still unfinished past this many bytes are refused with "
+                           f"a 400 (uvicorn's h11_max_incomplete_event_size; default: {MAX_HEADER_BYTES})")
     conn.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="S",
                       help="seconds a request body may take to arrive; a client still sending it then gets a 408 "
                            f"(default: {BODY_TIMEOUT_S:g})")

@@ -118,6 +118,7 @@ def client_address(scope) -> str:
 
 
 def too_many(message: str, wait: float) -> OpenAIError:
+    """A 429 that says when to come back (`Retry-After`, whole seconds, at least the `wait`)."""
     return OpenAIError(message, status=429, type="rate_limit_error", code="rate_limit_exceeded",
                        headers={"Retry-After": str(math.ceil(wait))})
 

@@ -228,8 +228,11 @@ def test_connections_beyond_the_limit_get_a_503(bounded):
 @pytest.mark.parametrize("flags,message", [
     (["--limit-concurrency", "0"], "--limit-concurrency must be positive"),
     (["--body-timeout", "0"], "--body-timeout must be a positive number"),
+    (["--allowed-hosts", "*example.com"], "'*example.com' is not a host name"),
+    (["--allowed-hosts", "http://llm.example"], "is not a host name"),
+    (["--api-key", ","], "api_key holds no key"),
 ])
-def test_serve_refuses_bad_connection_bounds_before_loading(flags, message, capsys):
+def test_serve_refuses_bad_gateway_flags_before_loading(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--model", "/nonexistent", *flags])
     assert e.value.code == 2 and message in capsys.readouterr().err

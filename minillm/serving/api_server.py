@@ -31,8 +31,8 @@ from .chat import chat_completion, template_error
 from .completions import completion
 from ..service.gateway import AUTH_FAILURE_LIMIT, AuthFailureLimit, RateLimit, RateLimiter
 from .limits import ServerLimits
-from .middleware import (LOOPBACK_HOSTS, ApiKeyAuth, BodyLimit, HostCheck, RequestId, error_response,
-                         internal_error)
+from .middleware import (LOOPBACK_HOSTS, ApiKeyAuth, BodyLimit, HostCheck, RequestId, api_keys, error_response,
+                         host_patterns, internal_error)
 from .prometheus import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest
 from .serving_engine import ClientDisconnected, Served, Stream, close_all
@@ -116,9 +116,9 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
     if rate_limit is not None:
         app.add_middleware(RateLimiter, limit=rate_limit)
     if api_key:
-        app.add_middleware(ApiKeyAuth, api_key=api_key)
+        app.add_middleware(ApiKeyAuth, keys=api_keys(api_key))
         app.add_middleware(AuthFailureLimit, limit=auth_failure_limit)
-    app.add_middleware(HostCheck, allowed=allowed_hosts)
+    app.add_middleware(HostCheck, allowed=host_patterns(allowed_hosts))
     app.add_middleware(RequestId)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],

@@ -26,7 +26,7 @@ from .api_server import BODY_TIMEOUT_S, build_app
 from .async_llm import AsyncLLM
 from ..service.gateway import AUTH_FAILURE_LIMIT, RateLimit
 from .limits import ServerLimits
-from .middleware import api_keys, bind_hosts
+from .middleware import api_keys, bind_hosts, host_patterns
 
 API_KEY_ENV = "MINILLM_API_KEY"  # the API keys (comma-separated) when --api-key is not given
 LIMIT_CONCURRENCY = 1024  # connections, or requests in progress, beyond which uvicorn answers 503
@@ -249,8 +249,10 @@ def app_options(args: argparse.Namespace) -> dict:
     api_key = ",".join(args.api_key) if args.api_key else os.environ.get(API_KEY_ENV)
     if api_key:
         api_keys(api_key)  # refuses a value that holds no key (",")
+    allowed_hosts = args.allowed_hosts or bind_hosts(args.host)
+    host_patterns(allowed_hosts)
     return dict(limits=limits, api_key=api_key, allowed_origins=args.allowed_origins, rate_limit=rate_limit,
-                allowed_hosts=args.allowed_hosts or bind_hosts(args.host), body_timeout_s=args.body_timeout,
+                allowed_hosts=allowed_hosts, body_timeout_s=args.body_timeout,
                 enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
 
 

@@ -124,14 +124,24 @@ def bind_hosts(host: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys([*LOOPBACK_HOSTS, host] if loopback else [host]))
 
 
+def host_patterns(allowed: Sequence[str]) -> frozenset[str]:
+    """`--allowed-hosts`, checked and in lower case: names or addresses (no port), `*.example.com`, or `*`."""
+    patterns = frozenset(h.strip().lower() for h in allowed)
+    for p in patterns:
+        wildcard = p.startswith("*.") and "*" not in p[1:]
+        if not p or "/" in p or "*" in p and p != "*" and not wildcard:
+            raise ValueError(f"allowed_hosts: {p!r} is not a host name, an address, *.domain or *")
+    return patterns
+
+
 class HostCheck:
     """Answer only requests whose Host header names this server (else a 400): a web page whose name an attacker
     points at 127.0.0.1 (DNS rebinding) reaches the port, but its requests still carry the attacker's name.
-    `allowed`: names (any port), `*.example.com` for its subdomains, or `*` for any host."""
+    `allowed`: `host_patterns`' names (any port), `*.example.com` for its subdomains, or `*` for any host.
+    Starlette's TrustedHostMiddleware does the same, but answers in plain text, not with an OpenAI error."""
 
-    def __init__(self, app, allowed: Sequence[str]):
-        self.app, self.allowed = app, {h.lower() for h in allowed}
-        self.any = "*" in self.allowed
+    def __init__(self, app, allowed: frozenset[str]):
+        self.app, self.allowed, self.any = app, allowed, "*" in allowed
 
     def allows(self, name: str) -> bool:
         return name in self.allowed or any(h.startswith("*.") and name.endswith(h[1:]) for h in self.allowed)
@@ -161,8 +171,8 @@ class ApiKeyAuth:
     a path no route answers. With several keys (one per client), the one given names its client for the rate
     limit (in the scope, by its index: the key itself is kept nowhere else)."""
 
-    def __init__(self, app, api_key: str | Sequence[str]):
-        self.app, self.expected = app, [k.encode() for k in api_keys(api_key)]
+    def __init__(self, app, keys: Sequence[str]):
+        self.app, self.expected = app, [k.encode() for k in keys]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or is_open(scope):

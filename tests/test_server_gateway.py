@@ -14,7 +14,7 @@ from minillm.serving import AsyncLLM, ServerThread, build_app
 from minillm.service.gateway import AUTH_FAILURE_LIMIT, Buckets, RateLimit, RateLimiter
 from minillm.serving.launch import API_KEY_ENV, app_options, connection_options
 from minillm.serving.middleware import bind_hosts
-from serving_utils import start_server, tiny_engine, wait_for
+from serving_utils import serve_engine, slow_steps, start_server, stream_json, tiny_engine, wait_for
 
 KEY = "sk-gateway"
 
@@ -185,11 +185,12 @@ def test_a_trickled_body_is_cut_with_a_408(server):
 
 
 def test_a_slow_response_is_no_slow_body(tiny_llama):
-    with start_server(tiny_llama, app_kw={"body_timeout_s": 0.5}, num_kv_blocks=16) as srv:
-        with httpx.stream("POST", srv.url + "/v1/completions", timeout=30, json={
-                "prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
-            time.sleep(1.0)  # past the body's timeout while the stream listens for a hang-up
-            assert r.status_code == 200 and list(r.iter_lines())[-2] == "data: [DONE]"
+    engine = tiny_engine(tiny_llama, num_kv_blocks=16)
+    slow_steps(engine, 0.05)  # a stream that runs well past the body's timeout, listening for a hang-up
+    with serve_engine(engine, body_timeout_s=0.5) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        chunks = stream_json(c, "/v1/completions", {"prompt": "hi", "max_tokens": 30, "ignore_eos": True,
+                                                    "stream": True})
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.fixture(scope="module")

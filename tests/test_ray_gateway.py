@@ -1,6 +1,6 @@
 """Chapter 9's gateway without Ray, on a tiny model: the token bucket's arithmetic, the rate limit on chapter 8's
-server (a 429 with Retry-After and an OpenAI body, keyed by API key or else by client address, health checks
-never limited), and the `serve` flags that are refused before any model loads."""
+server (a 429 with Retry-After and an OpenAI body, keyed by client address, health checks never limited; keys as
+clients in test_server_gateway.py), and the `serve` flags that are refused before any model loads."""
 
 import httpx
 import pytest
@@ -8,9 +8,6 @@ import pytest
 from minillm.__main__ import main
 from minillm.service.gateway import RateLimit, TokenBucket
 from serving_utils import start_server
-
-KEY = "sk-gateway"
-
 
 def test_the_bucket_holds_a_burst_and_refills_at_the_rate():
     bucket = TokenBucket(capacity=3, rate=2.0, now=0.0)
@@ -47,15 +44,6 @@ def test_each_address_gets_a_bucket_and_a_429_says_when_to_retry(tiny_llama):
             assert "x-request-id" in refused.headers
             assert [one.get(path).status_code for path in ("/health", "/metrics", "/version")] == [200] * 3
             assert statuses(two, 4) == [200, 200, 200, 429]  # another client, its own bucket
-
-
-def test_with_an_api_key_the_key_is_the_client(tiny_llama):
-    app_kw = {"api_key": KEY, "rate_limit": RateLimit(0.5, burst=2)}
-    with start_server(tiny_llama, app_kw=app_kw, num_kv_blocks=16) as srv:
-        with client(srv.url, "127.0.0.1", KEY) as one, client(srv.url, "127.0.0.2", KEY) as two:
-            assert statuses(one, 1) + statuses(two, 2) == [200, 200, 429]  # one key, one bucket
-        with client(srv.url, "127.0.0.3", "wrong") as stranger:
-            assert statuses(stranger, 3) == [401] * 3  # refused before the limit: no bucket for a wrong key
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -18,7 +18,8 @@ PROMPT = "The quick brown fox"
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    srv = start_server(tiny_llama, MODEL, num_kv_blocks=256, block_size=4)
+    srv = start_server(tiny_llama, MODEL, app_kw={"enable_tokenizer_info_endpoint": True}, num_kv_blocks=256,
+                       block_size=4)
     yield srv
     srv.stop()
 
@@ -187,7 +188,7 @@ def test_http_errors_have_openai_bodies(server, client):
         assert r.status_code == status and r.json()["error"]["message"], (status, r.text)
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:  # a body that claims to be huge
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 99999999999\r\n\r\n{}")
         reply = b""
         while b'"error"' not in reply and (data := sock.recv(4096)):

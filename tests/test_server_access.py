@@ -7,6 +7,7 @@ import openai
 import pytest
 
 from minillm.__main__ import build_parser
+from minillm.service.gateway import RateLimit
 from serving_utils import start_server
 
 KEY = "sk-test-123"
@@ -15,8 +16,9 @@ ORIGIN = "http://notebook.example"
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    srv = start_server(tiny_llama, app_kw={"api_key": KEY, "allowed_origins": [ORIGIN]}, num_kv_blocks=64,
-                       block_size=4)
+    app_kw = {"api_key": KEY, "allowed_origins": [ORIGIN],
+              "auth_failure_limit": RateLimit(100, burst=100)}  # every wrong key below comes from one address
+    srv = start_server(tiny_llama, app_kw=app_kw, num_kv_blocks=64, block_size=4)
     yield srv
     srv.stop()
 

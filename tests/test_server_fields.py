@@ -189,7 +189,8 @@ def test_models_retrieve_version_and_request_ids(server, client):
 def test_a_request_id_no_header_could_carry_back_is_replaced(server, given):
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Request-Id: " + given + b"\r\nConnection: close\r\n\r\n")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Request-Id: " + given
+                     + b"\r\nConnection: close\r\n\r\n")
         reply = b""
         while data := sock.recv(4096):
             reply += data

@@ -1,10 +1,10 @@
 """Chapter 8 — the HTTP front door: an OpenAI-compatible FastAPI app over an `AsyncLLM`.
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models (and /v1/models/{id}), /health, /metrics,
-/version, and vLLM's /tokenize, /detokenize and /tokenizer_info. Every error a client can cause comes back
-as a 4xx with an OpenAI error body `{"error": {"message", "type", "param", "code"}}`; a bug or a failed
-engine is a 500 that says only "internal error" (the details go to the log). Streams are Server-Sent Events
-written by sse-starlette, one `data: {json}` event per chunk and `data: [DONE]` at the end.
+/version, and vLLM's /tokenize, /detokenize and (when enabled) /tokenizer_info. Every error a client can
+cause comes back as a 4xx with an OpenAI error body `{"error": {"message", "type", "param", "code"}}`; a bug
+or a failed engine is a 500 that says only "internal error" (the details go to the log). Streams are
+Server-Sent Events written by sse-starlette, one `data: {json}` event per chunk and `data: [DONE]` at the end.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import importlib.metadata
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 
@@ -29,14 +29,16 @@ from starlette.middleware.cors import CORSMiddleware
 from .async_llm import AsyncLLM, EngineDeadError, EngineOverloaded, EngineUnavailable, RequestFailed
 from .chat import chat_completion, template_error
 from .completions import completion
-from ..service.gateway import RateLimit, RateLimiter
+from ..service.gateway import AUTH_FAILURE_LIMIT, AuthFailureLimit, RateLimit, RateLimiter
 from .limits import ServerLimits
-from .middleware import ApiKeyAuth, BodyLimit, RequestId, error_response, internal_error
+from .middleware import (LOOPBACK_HOSTS, ApiKeyAuth, BodyLimit, HostCheck, RequestId, api_keys, error_response,
+                         host_patterns, internal_error)
 from .prometheus import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest
 from .serving_engine import ClientDisconnected, Served, Stream, close_all
 
 MAX_BODY_BYTES = 4 << 20  # a request body above this is refused (413) before it is read whole
+BODY_TIMEOUT_S = 30.0  # a request body still arriving this long after the request began is cut (408)
 # The request's OpenAI `user` field while its handler runs: chapter 9's RemoteLLM hands it to the replica
 # router (session affinity) without widening the engine interface the handlers use.
 REQUEST_USER: ContextVar[str | None] = ContextVar("minillm_request_user", default=None)
@@ -80,14 +82,21 @@ def _field_path(loc) -> str:
 _SHAPES = {"str", "int", "float", "bool", "list", "dict", "none", "Message", "StreamOptions"}
 
 
-def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None, api_key: str | None = None,
-              allowed_origins: list[str] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-              on_started: Callable[[], None] | None = None, rate_limit: RateLimit | None = None) -> FastAPI:
+def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None,
+              api_key: str | Sequence[str] | None = None, allowed_origins: list[str] | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES, on_started: Callable[[], None] | None = None,
+              rate_limit: RateLimit | None = None, auth_failure_limit: RateLimit = AUTH_FAILURE_LIMIT,
+              allowed_hosts: Sequence[str] = LOOPBACK_HOSTS, body_timeout_s: float = BODY_TIMEOUT_S,
+              enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
     """The app; its lifespan starts the engine loop (then calls `on_started`) and stops it at shutdown.
 
-    `api_key`: every route but /health, /metrics and /version needs it as a bearer token. `allowed_origins`:
-    browsers on these origins may call the API (CORS); none by default. `rate_limit`: each client's
-    token bucket (chapter 9's gateway), keyed by its API key when one is required.
+    `api_key`: every route but /health, /metrics and /version needs it as a bearer token; several keys (a list,
+    or comma-separated) are one per client. `auth_failure_limit`: the failed keys each address may send before
+    a 429. `allowed_origins`: browsers on these origins may call the API (CORS); none by default.
+    `rate_limit`: each client's token bucket (chapter 9's gateway), keyed by its key when there are several,
+    else by its address. `allowed_hosts`: the Host header names answered (default: loopback ones; `*`: any).
+    `body_timeout_s`: how long a request body may take to arrive (408 beyond). `enable_tokenizer_info_endpoint`:
+    serve /tokenizer_info (it shows the chat template; off by default, as vLLM).
     """
     served = Served(llm, model_name, limits or ServerLimits())
     metrics = ServerMetrics(llm, model_name)
@@ -103,11 +112,13 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
         served.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="minillm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
     if rate_limit is not None:
-        app.add_middleware(RateLimiter, limit=rate_limit, by_api_key=bool(api_key))
+        app.add_middleware(RateLimiter, limit=rate_limit)
     if api_key:
-        app.add_middleware(ApiKeyAuth, api_key=api_key)
+        app.add_middleware(ApiKeyAuth, keys=api_keys(api_key))
+        app.add_middleware(AuthFailureLimit, limit=auth_failure_limit)
+    app.add_middleware(HostCheck, allowed=host_patterns(allowed_hosts))
     app.add_middleware(RequestId)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
@@ -125,6 +136,7 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
     @app.exception_handler(HTTPException)
     async def _http(request: Request, e: HTTPException):
         messages = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}",
+                    408: f"the request body did not arrive within {body_timeout_s:g} s",
                     413: f"the request body is larger than {max_body_bytes} bytes"}
         return error_response(OpenAIError(messages.get(e.status_code, str(e.detail)), status=e.status_code,
                                           headers=e.headers))
@@ -229,13 +241,14 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
             raise OpenAIError(f"token ids outside the vocabulary [0, {llm.vocab_size}): {bad[:5]}", param="tokens")
         return {"prompt": await served.off_loop(llm.tokenizer.decode, req.tokens)}
 
-    @app.get("/tokenizer_info")
-    async def tokenizer_info():
-        tok = llm.tokenizer
-        return {"tokenizer_class": type(tok).__name__, "vocab_size": len(tok),
-                "model_max_length": llm.max_model_len, "bos_token": tok.bos_token,
-                "eos_token": tok.eos_token, "pad_token": tok.pad_token, "unk_token": tok.unk_token,
-                "chat_template": tok.chat_template}
+    if enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info():
+            tok = llm.tokenizer
+            return {"tokenizer_class": type(tok).__name__, "vocab_size": len(tok),
+                    "model_max_length": llm.max_model_len, "bos_token": tok.bos_token,
+                    "eos_token": tok.eos_token, "pad_token": tok.pad_token, "unk_token": tok.unk_token,
+                    "chat_template": tok.chat_template}
 
     return app
 

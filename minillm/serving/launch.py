@@ -22,12 +22,16 @@ import uvicorn
 
 from ..engine_args import EngineArgs
 from ..weights import DEFAULT_MODEL
-from .api_server import build_app
+from .api_server import BODY_TIMEOUT_S, build_app
 from .async_llm import AsyncLLM
-from ..service.gateway import RateLimit
+from ..service.gateway import AUTH_FAILURE_LIMIT, RateLimit
 from .limits import ServerLimits
+from .middleware import api_keys, bind_hosts, host_patterns
 
-API_KEY_ENV = "MINILLM_API_KEY"  # the API key when --api-key is not given
+API_KEY_ENV = "MINILLM_API_KEY"  # the API keys (comma-separated) when --api-key is not given
+LIMIT_CONCURRENCY = 1024  # connections, or requests in progress, beyond which uvicorn answers 503
+TIMEOUT_KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this (uvicorn's default)
+MAX_HEADER_BYTES = 16 << 10  # request line and headers still unfinished past this are refused (400; h11's default)
 AUTOSCALING_FLAGS = (  # Serve's autoscaling_config, one flag per field
     ("--min-replicas", int, "autoscaling: fewest replicas (default: 1); 0 scales to zero when idle "
                       "and needs --num-kv-blocks"),
@@ -60,12 +64,18 @@ async def shutdown(server: uvicorn.Server, llm: AsyncLLM, drain_seconds: float) 
     server.should_exit = True
 
 
-def uvicorn_config(app, forwarded_allow_ips: str | None, **kw) -> uvicorn.Config:
+def uvicorn_config(app, forwarded_allow_ips: str | None, limit_concurrency: int | None = LIMIT_CONCURRENCY,
+                   timeout_keep_alive: float = TIMEOUT_KEEP_ALIVE_S, max_header_bytes: int = MAX_HEADER_BYTES,
+                   **kw) -> uvicorn.Config:
     """uvicorn's settings for the app (`kw`), believing `X-Forwarded-For` and `-Proto` only from the proxies at
     `forwarded_allow_ips`: uvicorn's default trusts 127.0.0.1, so any local client could name its own address,
-    and with it its rate-limit bucket."""
+    and with it its rate-limit bucket. Connections are bounded: `limit_concurrency` (a 503 beyond),
+    `timeout_keep_alive` seconds idle, `max_header_bytes` of request line and headers not yet complete (a cap
+    of h11's parser, which uvicorn sets; of httptools', the default where installed, it sets none)."""
     return uvicorn.Config(app, proxy_headers=bool(forwarded_allow_ips),
-                          forwarded_allow_ips=forwarded_allow_ips or None, **kw)
+                          forwarded_allow_ips=forwarded_allow_ips or None, limit_concurrency=limit_concurrency,
+                          timeout_keep_alive=timeout_keep_alive, http="h11",
+                          h11_max_incomplete_event_size=max_header_bytes, **kw)
 
 
 class _Server(uvicorn.Server):
@@ -100,16 +110,18 @@ class ServerThread:
 
     Use as a context manager, or call `start()` and `stop()`; `url` is the base URL (`.../v1` for clients).
     If the engine fails, the server stops by itself and `failed` is true (`exit_code` 1, as `serve` exits).
-    `forwarded_allow_ips`: as `serve --forwarded-allow-ips` (default: no proxy is believed).
+    `forwarded_allow_ips`: as `serve --forwarded-allow-ips` (default: no proxy is believed). `connection_kw`:
+    `uvicorn_config`'s connection bounds (limit_concurrency, timeout_keep_alive, max_header_bytes).
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, drain_seconds: float = 0.0,
-                 forwarded_allow_ips: str | None = None):
+                 forwarded_allow_ips: str | None = None, **connection_kw):
         self.llm: AsyncLLM = app.state.served.llm
         self.sock = bind(host, port)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
         self.drain_seconds = drain_seconds
-        config = uvicorn_config(app, forwarded_allow_ips, log_level="error", access_log=False, lifespan="on")
+        config = uvicorn_config(app, forwarded_allow_ips, log_level="error", access_log=False, lifespan="on",
+                                **connection_kw)
         self.server = _Server(config, self.llm, drain_seconds)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="minillm-server")
@@ -159,10 +171,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-seconds", type=float, default=5.0,
                         help="on SIGINT/SIGTERM, how long requests in flight may run before they are aborted")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--api-key", default=None,
+    parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
                         help="require `Authorization: Bearer <key>` on every route but /health, /metrics and "
                              f"/version; prefer ${API_KEY_ENV}: a flag shows in the process list (ps), an "
-                             f"environment variable does not (default: ${API_KEY_ENV}, else no key)")
+                             f"environment variable does not (default: ${API_KEY_ENV}, else no key). Several "
+                             "keys (the flag repeated, or comma-separated) are one per client: each key gets its "
+                             "own rate-limit bucket. An address that fails the key "
+                             f"{AUTH_FAILURE_LIMIT.capacity} times gets a 429 until it may try again, once every "
+                             f"{1 / AUTH_FAILURE_LIMIT.requests_per_second:g} s")
+    parser.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                        help="the Host header names answered, any port (against DNS rebinding: a web page whose "
+                             "name points at this machine), e.g. llm.example.com or *.example.com, or * for any; "
+                             "default: the --host bound: for a loopback one 127.0.0.1, localhost and ::1, for "
+                             "0.0.0.0 or :: any host")
     parser.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                         help="web pages from these origins may call the API (CORS), e.g. http://localhost:3000 "
                              "or *; default: none")
@@ -171,10 +192,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "names the client (its rate-limit bucket, the access log); default: none, every "
                              "client is the address it connects from")
     parser.add_argument("--rate-limit", type=float, default=None, metavar="RPS",
-                        help="requests per second each client may send (keyed by API key, else address); "
+                        help="requests per second each client may send (its address, or its API key when "
+                             "several are given); "
                              "beyond it a 429 with Retry-After; default: no limit")
     parser.add_argument("--rate-limit-burst", type=int, default=None, metavar="N",
                         help="requests a client may send at once before --rate-limit applies (default: RPS)")
+    parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                        help="serve /tokenizer_info (the tokenizer's settings and chat template); default: a 404")
+    conn = parser.add_argument_group("connections", "bounds on what one client's connections may hold (the "
+                                                     "one-engine server; Ray Serve's proxy keeps its own)")
+    conn.add_argument("--limit-concurrency", type=int, default=LIMIT_CONCURRENCY, metavar="N",
+                      help="open connections, or requests in progress, beyond which uvicorn answers 503 "
+                           f"(default: {LIMIT_CONCURRENCY})")
+    conn.add_argument("--timeout-keep-alive", type=float, default=TIMEOUT_KEEP_ALIVE_S, metavar="S",
+                      help=f"seconds an idle keep-alive connection stays open (default: {TIMEOUT_KEEP_ALIVE_S})")
+    conn.add_argument("--max-header-bytes", type=int, default=MAX_HEADER_BYTES, metavar="BYTES",
+                      help="a request line and headers still unfinished past this many bytes are refused with "
+                           f"a 400 (uvicorn's h11_max_incomplete_event_size; default: {MAX_HEADER_BYTES})")
+    conn.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="S",
+                      help="seconds a request body may take to arrive; a client still sending it then gets a 408 "
+                           f"(default: {BODY_TIMEOUT_S:g})")
     scale = parser.add_argument_group("replicas", "chapter 9: several engines behind one endpoint, on Ray Serve")
     scale.add_argument("--replicas", type=int, default=1,
                        help="engine replicas, one process each; more than 1 serves them on Ray Serve, on a local "
@@ -207,8 +244,26 @@ def app_options(args: argparse.Namespace) -> dict:
     if args.rate_limit_burst is not None and args.rate_limit is None:
         raise ValueError("--rate-limit-burst needs --rate-limit")
     rate_limit = RateLimit(args.rate_limit, args.rate_limit_burst) if args.rate_limit is not None else None
-    return dict(limits=limits, api_key=args.api_key or os.environ.get(API_KEY_ENV),
-                allowed_origins=args.allowed_origins, rate_limit=rate_limit)
+    if not args.body_timeout > 0:
+        raise ValueError(f"--body-timeout must be a positive number of seconds, got {args.body_timeout}")
+    api_key = ",".join(args.api_key) if args.api_key else os.environ.get(API_KEY_ENV)
+    if api_key:
+        api_keys(api_key)  # refuses a value that holds no key (",")
+    allowed_hosts = args.allowed_hosts or bind_hosts(args.host)
+    host_patterns(allowed_hosts)
+    return dict(limits=limits, api_key=api_key, allowed_origins=args.allowed_origins, rate_limit=rate_limit,
+                allowed_hosts=allowed_hosts, body_timeout_s=args.body_timeout,
+                enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
+
+
+def connection_options(args: argparse.Namespace) -> dict:
+    """`uvicorn_config`'s connection bounds from the command line, checked before the model loads."""
+    for flag, value in (("--limit-concurrency", args.limit_concurrency), ("--max-header-bytes", args.max_header_bytes),
+                        ("--timeout-keep-alive", args.timeout_keep_alive)):
+        if not value > 0:
+            raise ValueError(f"{flag} must be positive, got {value}")
+    return dict(limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive,
+                max_header_bytes=args.max_header_bytes)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -219,7 +274,7 @@ def serve(args: argparse.Namespace) -> int:
     from ..engine import LLMEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    app_kw = app_options(args)
+    app_kw, connection_kw = app_options(args), connection_options(args)
     autoscaling = autoscaling_from_cli(args)
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
@@ -243,7 +298,7 @@ def serve(args: argparse.Namespace) -> int:
 
     app = build_app(llm, name, on_started=ready, **app_kw)
     config = uvicorn_config(app, args.forwarded_allow_ips, log_level=args.log_level,
-                            access_log=args.log_level in ("debug", "info"))
+                            access_log=args.log_level in ("debug", "info"), **connection_kw)
     server = _Server(config, llm, args.drain_seconds)
     server.run(sockets=[sock])
     print("minillm: stopped" if server.exit_code == 0 else "minillm: stopped after the engine failed (see above)",

@@ -424,8 +424,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds without a byte before a request fails")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--tokenizer", default=None, help="local HF directory (default: the default model's)")
-    parser.add_argument("--api-key", default=os.environ.get("MINILLM_API_KEY"),
-                        help="sent as `Authorization: Bearer` (default: $MINILLM_API_KEY)")
+    parser.add_argument("--api-key", default=os.environ.get("MINILLM_API_KEY", "").split(",")[0].strip() or None,
+                        help="sent as `Authorization: Bearer` (default: the first of $MINILLM_API_KEY's "
+                             "comma-separated keys)")
     parser.add_argument("--offline", action="store_true",
                         help="no server: replay the workload into an engine in this process, built from the engine "
                              "flags below (as `vllm bench throughput` does)")

@@ -194,3 +194,15 @@ def test_import_does_not_load_torch():
     """The HTTP client runs on machines without the engine's dependencies."""
     code = "import sys, minillm.bench; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_api_key_from_the_environment_is_its_first_key(monkeypatch):
+    """The server takes several comma-separated keys in $MINILLM_API_KEY; the benchmark client sends one of them."""
+    import argparse
+
+    from minillm.bench import add_arguments
+    for value, expected in (("k1, k2", "k1"), ("solo", "solo"), ("", None)):
+        monkeypatch.setenv("MINILLM_API_KEY", value)
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        assert parser.parse_args(["--base-url", "http://127.0.0.1:1"]).api_key == expected

@@ -12,8 +12,8 @@ from ..outputs import CompletionOutput
 from ..sampling import SamplingParams
 from .async_llm import RequestStream
 from .protocol import ChatCompletionRequest, OpenAIError
-from .serving_engine import (Served, Stream, finals, lp, prompt_logprobs_json, sampling_params, start,
-                             stream_usage, usage)
+from .serving_engine import (Served, Stream, compile_stops_ahead, finals, lp, prompt_logprobs_json, sampling_params,
+                             start, stream_usage, usage)
 
 
 def template_error(e: ValueError) -> OpenAIError:
@@ -35,7 +35,7 @@ def prepare_chat(served: Served, req: ChatCompletionRequest) -> tuple[list[int],
     served.check_prompt(ids, "messages")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return ids, sampling_params(served, req, len(ids), max_tokens, logprobs, req.prompt_logprobs)
+    return ids, compile_stops_ahead(sampling_params(served, req, len(ids), max_tokens, logprobs, req.prompt_logprobs))
 
 
 def chat_logprobs(served: Served, c: CompletionOutput, top: int) -> dict:

@@ -17,8 +17,8 @@ from ..outputs import CompletionOutput, PositionLogprobs
 from ..sampling import SamplingParams
 from .async_llm import RequestStream
 from .protocol import CompletionRequest
-from .serving_engine import (Served, Stream, close_all, finals, lp, merged, prompt_logprobs_json, sampling_params,
-                             start, stream_usage, top, usage)
+from .serving_engine import (Served, Stream, close_all, compile_stops_ahead, finals, lp, merged, prompt_logprobs_json,
+                             sampling_params, start, stream_usage, top, usage)
 
 
 @dataclass
@@ -65,6 +65,7 @@ def prepare_completion(served: Served,
         params.append(sampling_params(served, req, len(token_ids), req.max_tokens, req.logprobs, prompt_k))
         ids.append(token_ids)
         texts.append(prompt if isinstance(prompt, str) else served.llm.tokenizer.decode(token_ids))
+    compile_stops_ahead(params[0])  # the same stop strings for every prompt
     return ids, texts, params
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from ..outputs import PositionLogprobs, RequestOutput
 from ..sampling import RequestOutputKind, SamplingParams
+from ..stop_strings import compile_stops
 from .async_llm import AsyncLLM, RequestStream
 from .limits import ServerLimits
 from .protocol import OpenAIError, SamplingRequest
@@ -91,6 +92,13 @@ def sampling_params(served: Served, req: SamplingRequest, prompt_len: int, max_t
             output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY)
     except ValueError as e:
         raise OpenAIError(str(e), param=_param(str(e))) from None
+
+
+def compile_stops_ahead(params: SamplingParams) -> SamplingParams:
+    """Build the automaton of the request's stop strings now, in the tokenizer pool: adding the request on the
+    event loop then finds it in `compile_stops`'s cache, and every prompt of a batch shares it."""
+    compile_stops(tuple(params.stop))
+    return params
 
 
 def start(served: Served, request_id: str, prompts: list[list[int]],

@@ -1,14 +1,18 @@
-"""The event loop stays free on a tiny model: a batch's stop strings are compiled once, off the loop."""
+"""The event loop stays free on a tiny model: a batch's stop strings are compiled once, off the loop; the
+tokenizer pool is bounded and a full server says 429 before tokenizing."""
 
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from minillm import stop_strings
-from serving_utils import start_server
+from minillm.serving import ServerLimits
+from serving_utils import serve_engine, slow_steps, start_server, tiny_engine
+from test_server_admission import SlowTokenizer
 
 LOOP_THREAD = "minillm-server"  # ServerThread runs uvicorn and its event loop here
 
@@ -35,3 +39,53 @@ def test_a_batch_compiles_its_stop_strings_once_off_the_event_loop(server, monke
     assert r.status_code == 200, r.text
     on_loop = [s for thread, s in builds if thread == LOOP_THREAD]
     assert len(builds) == 1 and not on_loop, f"{len(on_loop)} builds on the loop ({sum(on_loop):.3f} s), {builds[:3]}"
+
+
+def assert_overloaded(r: httpx.Response, says: str) -> None:
+    assert r.status_code == 429, r.text
+    assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "server_overloaded"
+    assert says in r.json()["error"]["message"]
+
+
+def test_a_full_tokenizer_pool_refuses_at_once_and_frees_its_places(tiny_llama):
+    engine = tiny_engine(tiny_llama, num_kv_blocks=64, block_size=4)
+    slow = engine.tokenizer = SlowTokenizer(engine.tokenizer)
+    body = {"prompt": "a slow prompt", "max_tokens": 1}
+    with serve_engine(engine, limits=ServerLimits(max_tokenizer_jobs=2)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=20) as c, ThreadPoolExecutor(2) as pool:
+        try:
+            stuck = [pool.submit(c.post, "/v1/completions", json=body) for _ in range(2)]
+            deadline = time.monotonic() + 10  # until both slow jobs hold the pool's places
+            while c.post("/tokenize", json={"prompt": "x"}).status_code != 429 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            t0 = time.monotonic()
+            for route, payload in [("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+                                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                                   ("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})]:
+                assert_overloaded(c.post(route, json=payload), "--max-tokenizer-jobs")
+            assert time.monotonic() - t0 < 5 and not any(f.done() for f in stuck)
+            assert c.get("/health").status_code == 200
+        finally:
+            slow.release.set()
+        assert [f.result().status_code for f in stuck] == [200, 200]
+        assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200  # places freed
+
+
+def test_a_full_engine_refuses_before_tokenizing(tiny_llama):
+    engine = tiny_engine(tiny_llama, num_kv_blocks=64, block_size=4)
+    slow = engine.tokenizer = SlowTokenizer(engine.tokenizer)
+    slow_steps(engine, 1.0)  # the first request's sequences wait a second before the engine takes them
+    with serve_engine(engine, max_waiting_requests=2) as srv, httpx.Client(base_url=srv.url, timeout=20) as c, \
+            ThreadPoolExecutor(1) as pool:
+        try:
+            first = pool.submit(c.post, "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "n": 2})
+            deadline = time.monotonic() + 10
+            while srv.llm.engine.num_waiting_seqs() < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            for route, body in [("/v1/completions", {"prompt": "a slow prompt", "max_tokens": 1}),
+                                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a slow one"}]})]:
+                assert_overloaded(c.post(route, json=body), "sequences are waiting")
+            assert not slow.entered.is_set()  # refused before the tokenizer saw it
+        finally:
+            slow.release.set()
+        assert first.result().status_code == 200

@@ -54,6 +54,7 @@ async def chat_completion(served: Served, req: ChatCompletionRequest, disconnect
     served.check_model(req.model)
     req.check()
     served.limits.check_chat(req, served.llm.max_waiting_requests)
+    served.llm.check_room(req.n)  # a 429 before the template, if the engine is full now
     ids, params = await served.off_loop(prepare_chat, served, req)
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     streams = start(served, request_id, [ids], [params])

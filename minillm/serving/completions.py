@@ -89,6 +89,7 @@ async def completion(served: Served, req: CompletionRequest, disconnected) -> di
     served.check_model(req.model)
     req.check()
     served.limits.check_completion(req, served.llm.max_waiting_requests)
+    served.llm.check_room(len(req.prompts()) * req.n)  # a 429 before tokenizing, if the engine is full now
     prompts, texts, params = await served.off_loop(prepare_completion, served, req)
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     streams = start(served, request_id, prompts, params)

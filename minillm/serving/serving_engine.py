@@ -6,6 +6,7 @@ prompts together, and waiting for final outputs while watching for the client to
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from ..outputs import PositionLogprobs, RequestOutput
 from ..sampling import RequestOutputKind, SamplingParams
 from ..stop_strings import compile_stops
-from .async_llm import AsyncLLM, RequestStream
+from .async_llm import AsyncLLM, EngineOverloaded, RequestStream
 from .limits import ServerLimits
 from .protocol import OpenAIError, SamplingRequest
 
@@ -34,6 +35,10 @@ class Served:
     limits: ServerLimits = field(default_factory=ServerLimits)
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         TOKENIZER_THREADS, thread_name_prefix="minillm-tokenizer"))
+    jobs: threading.Semaphore = field(init=False)  # free places in the pool (`--max-tokenizer-jobs`)
+
+    def __post_init__(self) -> None:
+        self.jobs = threading.Semaphore(self.limits.max_tokenizer_jobs)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -41,8 +46,19 @@ class Served:
                               status=404, param="model", code="model_not_found")
 
     async def off_loop(self, fn: Callable, *args):
-        """`fn(*args)` in the tokenizer pool: blocking work (tokenizing, templates) while the loop serves others."""
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        """`fn(*args)` in the tokenizer pool: blocking work (tokenizing, templates) while the loop serves others.
+        The pool holds at most `max_tokenizer_jobs`, waiting or running; beyond, EngineOverloaded (a 429) at once.
+        A place is freed when its job ends, not when its caller stops waiting for it."""
+        if not self.jobs.acquire(blocking=False):
+            raise EngineOverloaded(f"the tokenizer pool is full ({self.limits.max_tokenizer_jobs} jobs, "
+                                   "--max-tokenizer-jobs); try again shortly")
+        try:
+            job = self.pool.submit(fn, *args)
+        except BaseException:
+            self.jobs.release()
+            raise
+        job.add_done_callback(lambda _: self.jobs.release())
+        return await asyncio.wrap_future(job)
 
     def check_prompt(self, token_ids: list[int], param: str) -> None:
         """A 400 for a prompt over the token limit, or one the engine could not run."""

@@ -32,7 +32,7 @@ class ServerLimits:
     max_stop_chars: int = _limit(256, "characters of one stop string")
     max_completion_tokens: int | None = _limit(None, "max_tokens of a request (default: up to the model's context)")
     max_messages: int = _limit(256, "messages in one chat request")
-    max_tokenizer_jobs: int = _limit(64, "jobs waiting or running in the tokenizer pool, all routes together; "
+    max_tokenizer_jobs: int = _limit(256, "jobs waiting or running in the tokenizer pool, all routes together; "
                                          "a request beyond them is refused with a 429 before it is tokenized")
 
     def __post_init__(self) -> None:

@@ -1,6 +1,7 @@
 """The event loop stays free on a tiny model: a batch's stop strings are compiled once, off the loop; the
 tokenizer pool is bounded and a full server says 429 before tokenizing."""
 
+import asyncio
 import threading
 import time
 import uuid
@@ -89,3 +90,34 @@ def test_a_full_engine_refuses_before_tokenizing(tiny_llama):
         finally:
             slow.release.set()
         assert first.result().status_code == 200
+
+
+async def worst_gaps(stop: threading.Event) -> tuple[float, float]:
+    """Ticking every 5 ms on the event loop until `stop`: the longest between two ticks in wall time, and in the
+    loop thread's own CPU time (work the loop did in between, whatever else the machine was running)."""
+    wall = cpu = 0.0
+    last = time.perf_counter(), time.thread_time()
+    while not stop.is_set():
+        await asyncio.sleep(0.005)
+        now = time.perf_counter(), time.thread_time()
+        wall, cpu, last = max(wall, now[0] - last[0]), max(cpu, now[1] - last[1]), now
+    return wall, cpu
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/completions", {"prompt": [list(range(5, 37))] * 64, "n": 16, "max_tokens": 1, "logprobs": 20, "echo": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 16, "max_tokens": 200,
+                              "ignore_eos": True, "logprobs": True, "top_logprobs": 20, "prompt_logprobs": 20}),
+])
+def test_a_large_body_is_built_off_the_event_loop(tiny_llama, route, body):
+    with start_server(tiny_llama, max_waiting_requests=None, num_kv_blocks=2048, block_size=4) as srv, \
+            httpx.Client(base_url=srv.url, timeout=120) as c:
+        stop = threading.Event()
+        gaps = asyncio.run_coroutine_threadsafe(worst_gaps(stop), srv.llm.loop)
+        try:
+            r = c.post(route, json=body)
+        finally:
+            stop.set()
+        wall, cpu = gaps.result(30)
+        assert r.status_code == 200 and len(r.json()["choices"]) == (1024 if "prompt" in body else 16)
+        assert cpu < 0.1, f"the loop worked {cpu:.3f} s between two ticks (stalled {wall:.3f} s, {len(r.content)} bytes)"

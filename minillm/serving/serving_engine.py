@@ -6,10 +6,13 @@ prompts together, and waiting for final outputs while watching for the client to
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+from starlette.responses import Response
 
 from ..outputs import PositionLogprobs, RequestOutput
 from ..sampling import RequestOutputKind, SamplingParams
@@ -202,6 +205,25 @@ class Stream:
 
     chunks: AsyncIterator[str]
     streams: list[RequestStream]
+
+
+def json_bytes(body: dict) -> bytes:
+    """`body` as compact JSON, each top-level value, or each item of a top-level list or iterator, serialized by
+    a call of its own: between calls the GIL passes to the event loop, and items an iterator makes are let go
+    as soon as they are written, so a large body never lives whole as Python objects (nor costs the
+    garbage collector long pauses)."""
+    def dumps(value) -> str:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+    def value(v) -> str:
+        return "[" + ",".join(map(dumps, v)) + "]" if isinstance(v, (list, Iterator)) else dumps(v)
+    return ("{" + ",".join(f"{dumps(k)}:{value(v)}" for k, v in body.items()) + "}").encode()
+
+
+async def json_response(build: Callable[..., dict], *args) -> Response:
+    """A non-streamed response, `build(*args)`, built and serialized in a thread: thousands of choices with
+    log-probs take a while, and meanwhile the event loop keeps serving the other requests' streams."""
+    return Response(await asyncio.to_thread(lambda: json_bytes(build(*args))), media_type="application/json")
 
 
 def stream_usage(req: SamplingRequest) -> tuple[bool, bool]:

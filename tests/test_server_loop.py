@@ -57,10 +57,11 @@ def test_a_full_tokenizer_pool_refuses_at_once_and_frees_its_places(tiny_llama):
     with serve_engine(engine, limits=ServerLimits(max_tokenizer_jobs=2)) as srv, \
             httpx.Client(base_url=srv.url, timeout=20) as c, ThreadPoolExecutor(2) as pool:
         try:
-            stuck = [pool.submit(c.post, "/v1/completions", json=body) for _ in range(2)]
-            deadline = time.monotonic() + 10  # until both slow jobs hold the pool's places
-            while c.post("/tokenize", json={"prompt": "x"}).status_code != 429 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            stuck = []
+            for _ in range(2):  # one at a time, until each holds a place in the pool
+                slow.entered.clear()
+                stuck.append(pool.submit(c.post, "/v1/completions", json=body))
+                assert slow.entered.wait(10)
             t0 = time.monotonic()
             for route, payload in [("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
                                    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
@@ -77,7 +78,7 @@ def test_a_full_tokenizer_pool_refuses_at_once_and_frees_its_places(tiny_llama):
 def test_a_full_engine_refuses_before_tokenizing(tiny_llama):
     engine = tiny_engine(tiny_llama, num_kv_blocks=64, block_size=4)
     slow = engine.tokenizer = SlowTokenizer(engine.tokenizer)
-    slow_steps(engine, 1.0)  # the first request's sequences wait a second before the engine takes them
+    slow_steps(engine, 3.0)  # the first request's sequences wait 3 s before the engine takes them
     with serve_engine(engine, max_waiting_requests=2) as srv, httpx.Client(base_url=srv.url, timeout=20) as c, \
             ThreadPoolExecutor(1) as pool:
         try:

@@ -1,6 +1,7 @@
 """Chapter 8 — what /v1/completions and /v1/chat/completions share (vLLM's `OpenAIServing`): the engine
-behind them, tokenizing off the event loop, engine parameters from a request, admitting a request's
-prompts together, and waiting for final outputs while watching for the client to leave.
+behind them, tokenizing off the event loop (in a bounded pool), engine parameters from a request, admitting a
+request's prompts together, waiting for final outputs while watching for the client to leave, and writing a
+large response off the event loop too.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from .metrics import RequestMetrics
 from .outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from .sampling import RequestOutputKind, SamplingParams, TokenLogprobs
 from .sequence import Sequence
-from .stop_strings import StopAutomaton, StopStringFilter
+from .stop_strings import StopStringFilter, compile_stops
 
 
 @dataclass(eq=False)
@@ -68,11 +68,11 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, metrics: RequestMetrics, seqs: list[Sequence]) -> RequestState:
-        """Track a new request's completions; its stop strings are compiled here, on the caller's thread, into
-        one automaton its n completions share."""
+        """Track a new request's completions; its n completions share one automaton of its stop strings
+        (`compile_stops`: built here unless the caller had it built ahead)."""
         state = RequestState(request_id, prompt, prompt_token_ids, params, metrics,
                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
-        stops = StopAutomaton(params.stop)
+        stops = compile_stops(tuple(params.stop))
         for seq in seqs:
             completion = CompletionState(seq, state, StopStringFilter(stops))
             if params.logprobs is not None:

@@ -7,13 +7,19 @@ complete the stream ends, with the stop string and everything after it left out 
 "First" is in the order the text arrives, so the result does not depend on how the text was split.
 
 Checking every stop string against every delta would cost time in proportion to their number, inside the
-engine step. Instead a request's stop strings are compiled once, when it is added, into an Aho–Corasick
-automaton over characters, and each character costs one transition (amortized) however many stop strings
-there are. The automaton's state is the longest end of the text that begins some stop string: how much
-to hold back is read off the state, and a state where a stop string ends is a match.
+engine step. Instead a request's stop strings are compiled once into an Aho–Corasick automaton over
+characters, and each character costs one transition (amortized) however many stop strings there are. The
+automaton's state is the longest end of the text that begins some stop string: how much to hold back is read
+off the state, and a state where a stop string ends is a match. Compiling costs milliseconds for long stop
+strings, so `compile_stops` keeps the last few automata: the prompts of a batch, and requests that send the
+same stop strings, share one, and a server compiles it ahead, off its event loop.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
+
+COMPILED_STOPS = 32  # automata kept by compile_stops (about 0.5 MB each at 16 stop strings of 256 characters)
 
 
 class StopAutomaton:
@@ -59,6 +65,12 @@ class StopAutomaton:
                 return 0
             state = self.fail[state]
         return to
+
+
+@lru_cache(maxsize=COMPILED_STOPS)
+def compile_stops(stops: tuple[str, ...]) -> StopAutomaton:
+    """The automaton of these stop strings, built once while it stays among the last few asked for."""
+    return StopAutomaton(list(stops))
 
 
 def held_back(text: str, stops: list[str]) -> int:

@@ -19,7 +19,7 @@ from contextvars import ContextVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
@@ -165,9 +165,9 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
         log.info("client left before its response was ready; request %s aborted", request.state.request_id)
         return error_response(OpenAIError("client disconnected"))  # never sent: nobody is listening
 
-    async def respond(body: dict | Stream):
-        if isinstance(body, dict):
-            return JSONResponse(body)
+    async def respond(body: Response | Stream):
+        if isinstance(body, Response):
+            return body
         return EventSourceResponse(_sse(body.chunks), sep="\n", ping=15,
                                    background=BackgroundTask(close_all, body.streams))
 

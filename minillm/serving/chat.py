@@ -8,12 +8,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from ..outputs import CompletionOutput
+from starlette.responses import Response
+
+from ..outputs import CompletionOutput, RequestOutput
 from ..sampling import SamplingParams
 from .async_llm import RequestStream
 from .protocol import ChatCompletionRequest, OpenAIError
-from .serving_engine import (Served, Stream, finals, lp, prompt_logprobs_json, sampling_params, start,
-                             stream_usage, truncate, usage)
+from .serving_engine import (Served, Stream, compile_stops_ahead, finals, json_response, lp, prompt_logprobs_json,
+                             sampling_params, start, stream_usage, truncate, usage)
 
 
 def template_error(e: ValueError) -> OpenAIError:
@@ -38,7 +40,7 @@ def prepare_chat(served: Served, req: ChatCompletionRequest) -> tuple[list[int],
     served.check_prompt(ids, "messages")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return ids, sampling_params(served, req, len(ids), max_tokens, logprobs, req.prompt_logprobs)
+    return ids, compile_stops_ahead(sampling_params(served, req, len(ids), max_tokens, logprobs, req.prompt_logprobs))
 
 
 def chat_logprobs(served: Served, c: CompletionOutput, top: int) -> dict:
@@ -53,23 +55,30 @@ def chat_logprobs(served: Served, c: CompletionOutput, top: int) -> dict:
     return {"content": content}
 
 
-async def chat_completion(served: Served, req: ChatCompletionRequest, disconnected) -> dict | Stream:
+async def chat_completion(served: Served, req: ChatCompletionRequest, disconnected) -> Response | Stream:
     served.check_model(req.model)
     req.check()
     served.limits.check_chat(req, served.llm.max_waiting_requests)
+    served.llm.check_room(req.n)  # a 429 before the template, if the engine is full now
     ids, params = await served.off_loop(prepare_chat, served, req)
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     streams = start(served, request_id, [ids], [params])
     head = {"id": request_id, "object": "chat.completion", "created": created, "model": served.model_name}
-    top = req.top_logprobs or 0
     if req.stream:
         return Stream(_chat_chunks(served, req, streams[0], len(ids), {**head, "object": "chat.completion.chunk"},
-                                   top), streams)
+                                   req.top_logprobs or 0), streams)
     (out,) = await finals(streams, disconnected)
+    return await json_response(chat_body, served, req, out, ids, head)
+
+
+def chat_body(served: Served, req: ChatCompletionRequest, out: RequestOutput, ids: list[int], head: dict) -> dict:
+    """The non-streamed response from the request's final output; its choices are made as `json_bytes` writes
+    them."""
+    top = req.top_logprobs or 0
     echoed = req.echoed()
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": echoed + c.text},
+    choices = ({"index": c.index, "message": {"role": "assistant", "content": echoed + c.text},
                 "logprobs": chat_logprobs(served, c, top) if req.logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs)
     body = {**head, "choices": choices, "usage": usage(len(ids), sum(len(c.token_ids) for c in out.outputs))}
     if req.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, ids, req.prompt_logprobs)

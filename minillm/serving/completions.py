@@ -10,15 +10,17 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
-from ..outputs import CompletionOutput, PositionLogprobs
+from starlette.responses import Response
+
+from ..outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from ..sampling import SamplingParams
 from .async_llm import RequestStream
 from .protocol import CompletionRequest
-from .serving_engine import (Served, Stream, close_all, finals, lp, merged, prompt_logprobs_json, sampling_params,
-                             start, stream_usage, top, truncate, usage)
+from .serving_engine import (Served, Stream, close_all, compile_stops_ahead, finals, json_response, lp, merged,
+                             prompt_logprobs_json, sampling_params, start, stream_usage, top, truncate, usage)
 
 
 @dataclass
@@ -67,6 +69,7 @@ def prepare_completion(served: Served,
         ids.append(token_ids)
         whole = isinstance(prompt, str) and len(token_ids) == len(given)
         texts.append(prompt if whole else served.llm.tokenizer.decode(token_ids))
+    compile_stops_ahead(params[0])  # the same stop strings for every prompt
     return ids, texts, params
 
 
@@ -85,30 +88,37 @@ def completion_choice(served: Served, index: int, c: CompletionOutput, prompt: l
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}, offset
 
 
-async def completion(served: Served, req: CompletionRequest, disconnected) -> dict | Stream:
-    """The response body (non-streaming) or the chunks of the SSE stream (streaming)."""
+async def completion(served: Served, req: CompletionRequest, disconnected) -> Response | Stream:
+    """The response (non-streaming) or the chunks of the SSE stream (streaming)."""
     served.check_model(req.model)
     req.check()
     served.limits.check_completion(req, served.llm.max_waiting_requests)
+    served.llm.check_room(len(req.prompts()) * req.n)  # a 429 before tokenizing, if the engine is full now
     prompts, texts, params = await served.off_loop(prepare_completion, served, req)
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     streams = start(served, request_id, prompts, params)
     head = {"id": request_id, "object": "text_completion", "created": created, "model": served.model_name}
     if req.stream:
         return Stream(_completion_chunks(served, req, streams, prompts, texts, head), streams)
-    outs = await finals(streams, disconnected)
-    choices, completion_tokens = [], 0
-    for i, out in enumerate(outs):
-        for c in out.outputs:
-            lps = _CompletionLogprobs.new(req.logprobs) if req.logprobs is not None else None
-            choice, _ = completion_choice(served, i * req.n + c.index, c, prompts[i], texts[i],
-                                          out.prompt_logprobs, req.echo, lps, 0)
-            if req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, prompts[i], req.prompt_logprobs)
-            choices.append(choice)
-            completion_tokens += len(c.token_ids)
-    choices.sort(key=lambda c: c["index"])
-    return {**head, "choices": choices, "usage": usage(sum(map(len, prompts)), completion_tokens)}
+    return await json_response(completion_body, served, req, await finals(streams, disconnected), prompts, texts, head)
+
+
+def completion_body(served: Served, req: CompletionRequest, outs: list[RequestOutput], prompts: list[list[int]],
+                    texts: list[str], head: dict) -> dict:
+    """The non-streamed response from each prompt's final output. Its choices are made one at a time as
+    `json_bytes` writes them, so a large body never lives whole as Python objects."""
+    def choices() -> Iterator[dict]:
+        for i, out in enumerate(outs):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                lps = _CompletionLogprobs.new(req.logprobs) if req.logprobs is not None else None
+                choice, _ = completion_choice(served, i * req.n + c.index, c, prompts[i], texts[i],
+                                              out.prompt_logprobs, req.echo, lps, 0)
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, prompts[i],
+                                                                     req.prompt_logprobs)
+                yield choice
+    completion_tokens = sum(len(c.token_ids) for out in outs for c in out.outputs)
+    return {**head, "choices": choices(), "usage": usage(sum(map(len, prompts)), completion_tokens)}
 
 
 async def _completion_chunks(served: Served, req: CompletionRequest, streams: list[RequestStream],

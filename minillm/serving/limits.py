@@ -32,6 +32,8 @@ class ServerLimits:
     max_stop_chars: int = _limit(256, "characters of one stop string or bad word")
     max_completion_tokens: int | None = _limit(None, "max_tokens of a request (default: up to the model's context)")
     max_messages: int = _limit(256, "messages in one chat request")
+    max_tokenizer_jobs: int = _limit(256, "jobs waiting or running in the tokenizer pool, all routes together; "
+                                         "a request beyond them is refused with a 429 before it is tokenized")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -47,7 +49,8 @@ class ServerLimits:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        group = parser.add_argument_group("limits", "what one request may ask for (each refused with a 400)")
+        group = parser.add_argument_group("limits", "what one request may ask for (each refused with a 400), "
+                                                    "and how much tokenizing may wait (a 429 beyond)")
         for f in dataclasses.fields(cls):
             group.add_argument(cls.flag(f.name), dest=f.name, type=int, default=f.default,
                                help=f.metadata["help"] + (f" (default: {f.default})" if f.default else ""))

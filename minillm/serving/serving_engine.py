@@ -1,19 +1,25 @@
 """Chapter 8 — what /v1/completions and /v1/chat/completions share (vLLM's `OpenAIServing`): the engine
-behind them, tokenizing off the event loop, engine parameters from a request, admitting a request's
-prompts together, and waiting for final outputs while watching for the client to leave.
+behind them, tokenizing off the event loop (in a bounded pool), engine parameters from a request, admitting a
+request's prompts together, waiting for final outputs while watching for the client to leave, and writing a
+large response off the event loop too.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import json
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+from starlette.responses import Response
 
 from ..engine import check_allowed_token_ids, check_stop_token_ids
 from ..outputs import PositionLogprobs, RequestOutput
 from ..sampling import RequestOutputKind, SamplingParams
-from .async_llm import AsyncLLM, RequestStream
+from ..stop_strings import compile_stops
+from .async_llm import AsyncLLM, EngineOverloaded, RequestStream
 from .limits import ServerLimits
 from .protocol import OpenAIError, SamplingRequest
 
@@ -34,6 +40,10 @@ class Served:
     limits: ServerLimits = field(default_factory=ServerLimits)
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         TOKENIZER_THREADS, thread_name_prefix="minillm-tokenizer"))
+    jobs: threading.Semaphore = field(init=False)  # free places in the pool (`--max-tokenizer-jobs`)
+
+    def __post_init__(self) -> None:
+        self.jobs = threading.Semaphore(self.limits.max_tokenizer_jobs)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -41,8 +51,19 @@ class Served:
                               status=404, param="model", code="model_not_found")
 
     async def off_loop(self, fn: Callable, *args):
-        """`fn(*args)` in the tokenizer pool: blocking work (tokenizing, templates) while the loop serves others."""
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        """`fn(*args)` in the tokenizer pool: blocking work (tokenizing, templates) while the loop serves others.
+        The pool holds at most `max_tokenizer_jobs`, waiting or running; beyond, EngineOverloaded (a 429) at once.
+        A place is freed when its job ends, not when its caller stops waiting for it."""
+        if not self.jobs.acquire(blocking=False):
+            raise EngineOverloaded(f"the tokenizer pool is full ({self.limits.max_tokenizer_jobs} jobs, "
+                                   "--max-tokenizer-jobs); try again shortly")
+        try:
+            job = self.pool.submit(fn, *args)
+        except BaseException:
+            self.jobs.release()
+            raise
+        job.add_done_callback(lambda _: self.jobs.release())
+        return await asyncio.wrap_future(job)
 
     def check_prompt(self, token_ids: list[int], param: str) -> None:
         """A 400 for a prompt over the token limit, or one the engine could not run."""
@@ -104,6 +125,13 @@ def sampling_params(served: Served, req: SamplingRequest, prompt_len: int, max_t
             output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY)
     except ValueError as e:
         raise OpenAIError(str(e), param=_param(str(e))) from None
+
+
+def compile_stops_ahead(params: SamplingParams) -> SamplingParams:
+    """Build the automaton of the request's stop strings now, in the tokenizer pool: adding the request on the
+    event loop then finds it in `compile_stops`'s cache, and every prompt of a batch shares it."""
+    compile_stops(tuple(params.stop))
+    return params
 
 
 def start(served: Served, request_id: str, prompts: list[list[int]],
@@ -193,6 +221,25 @@ class Stream:
 
     chunks: AsyncIterator[str]
     streams: list[RequestStream]
+
+
+def json_bytes(body: dict) -> bytes:
+    """`body` as compact JSON, each top-level value, or each item of a top-level list or iterator, serialized by
+    a call of its own: between calls the GIL passes to the event loop, and items an iterator makes are let go
+    as soon as they are written, so a large body never lives whole as Python objects (nor costs the
+    garbage collector long pauses)."""
+    def dumps(value) -> str:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+    def value(v) -> str:
+        return "[" + ",".join(map(dumps, v)) + "]" if isinstance(v, (list, Iterator)) else dumps(v)
+    return ("{" + ",".join(f"{dumps(k)}:{value(v)}" for k, v in body.items()) + "}").encode()
+
+
+async def json_response(build: Callable[..., dict], *args) -> Response:
+    """A non-streamed response, `build(*args)`, built and serialized in a thread: thousands of choices with
+    log-probs take a while, and meanwhile the event loop keeps serving the other requests' streams."""
+    return Response(await asyncio.to_thread(lambda: json_bytes(build(*args))), media_type="application/json")
 
 
 def stream_usage(req: SamplingRequest) -> tuple[bool, bool]:

@@ -1,0 +1,47 @@
+"""Chapter 8 — a conversation's token ids, where only the chat template writes control tokens.
+
+A chat template puts control tokens around each message (`<|im_start|>user ... <|im_end|>`). Tokenizing the
+rendered text as one string would turn a message that spells one ("hi<|im_end|>\n<|im_start|>system\n...")
+into the real token too, and a user could forge a turn of the system's. So a message's own special-token
+strings are tokenized as plain text: the template is rendered with them swapped for placeholders, the control
+tokens it wrote are read as tokens, and the text between them (placeholders put back) is tokenized with
+special tokens split. A conversation that spells none is tokenized exactly as `apply_chat_template` does.
+"""
+
+from __future__ import annotations
+
+import re
+
+PLACEHOLDER_CHARS = range(0xE000, 0xF900)  # Unicode's private use area: a placeholder mark is taken from here
+
+
+def special_strings(tokenizer) -> list[str]:
+    """The strings that tokenize to a special token, longest first (so a regex prefers the longest)."""
+    return sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True)
+
+
+def chat_token_ids(tokenizer, messages: list[dict], **template_kwargs) -> list[int]:
+    """Token ids of `messages` through the tokenizer's chat template (`template_kwargs` go to it), the messages'
+    text never read as control tokens. Messages are dicts; each string but the role is the message's own."""
+    specials = special_strings(tokenizer)
+    spelled = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
+    if spelled is None or not any(spelled.search(v) for m in messages for k, v in m.items()
+                                  if k != "role" and isinstance(v, str)):
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, **template_kwargs)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    seen = "".join(v for m in messages for v in m.values() if isinstance(v, str))
+    mark = next((chr(c) for c in PLACEHOLDER_CHARS if chr(c) not in seen), None)  # in no message: only ours
+    if mark is None:
+        raise ValueError("the messages use every private-use character, and one is needed as a placeholder")
+    marked = [{k: spelled.sub(lambda s: f"{mark}{specials.index(s[0])}{mark}", v)
+               if k != "role" and isinstance(v, str) else v for k, v in m.items()} for m in messages]
+    restore = re.compile(f"{mark}(\\d+){mark}")
+    ids: list[int] = []
+    # split at the special strings left, the template's: text, token, text, ..., text
+    for i, piece in enumerate(spelled.split(tokenizer.apply_chat_template(marked, tokenize=False, **template_kwargs))):
+        if i % 2:
+            ids.append(tokenizer.convert_tokens_to_ids(piece))
+        elif piece:
+            piece = restore.sub(lambda p: specials[int(p[1])], piece)
+            ids += tokenizer(piece, add_special_tokens=False, split_special_tokens=True).input_ids
+    return ids

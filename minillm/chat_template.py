@@ -6,7 +6,8 @@ into the real token too, and a user could forge a turn of the system's; so could
 (`chat_template_kwargs`) the template prints. So the client's special-token strings, in messages and template
 variables alike (inside their lists and dicts too), are tokenized as plain text: the template is rendered with
 them swapped for placeholders, the control tokens it wrote are read as tokens, and the text between them
-(placeholders put back) is tokenized with special tokens split. A conversation that spells none is tokenized exactly as `apply_chat_template` does.
+(placeholders put back) is tokenized with special tokens split. A conversation that spells none is tokenized
+exactly as `apply_chat_template` does.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from .outputs import RequestOutput
 from .parallel.config import ParallelConfig
 from .parallel.executor import MultiprocExecutor
 from .quant import quantize_model
-from .sampling import SamplingParams, TokenLogprobs, bad_words_token_ids, check_token_ids
+from .sampling import SamplingParams, TokenLogprobs, bad_words_token_ids, check_token_ids, check_truncate_prompt_tokens
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, claim_request_id
 from .threads import configure_threads
@@ -172,13 +172,16 @@ class LLMEngine:
         free, _ = torch.cuda.mem_get_info(self.device)
         return int(free * GPU_MEMORY_UTILIZATION)
 
-    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        """Token ids of a prompt (text is encoded with the tokenizer's own special-token rules)."""
+    def tokenize(self, prompt: str | list[int], truncate_prompt_tokens: int | None = None
+                 ) -> tuple[str | None, list[int]]:
+        """Token ids of a prompt (text is encoded with the tokenizer's own special-token rules), only the last
+        `truncate_prompt_tokens` of them when it is set (`truncate_prompt`)."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer(prompt).input_ids
+            return prompt, truncate_prompt(self.tokenizer(prompt).input_ids, truncate_prompt_tokens,
+                                           self.max_model_len)
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
             raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        return None, list(prompt)
+        return None, truncate_prompt(list(prompt), truncate_prompt_tokens, self.max_model_len)
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
                             chat_template_kwargs: dict | None = None) -> list[int]:
@@ -213,7 +216,7 @@ class LLMEngine:
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        text, token_ids = self.tokenize(prompt)
+        text, token_ids = self.tokenize(prompt, params.truncate_prompt_tokens)
         self.validate(token_ids)
         if do_remote_decode or remote_prefill is not None:
             if self.kv_connector is None:
@@ -459,6 +462,19 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> N
     if len(token_ids) >= max_model_len:
         raise ValueError(f"prompt has {len(token_ids)} tokens; this model's context is {max_model_len}"
                          " (including at least one generated token)")
+
+
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as the context holds, one
+    place left for the reply); a ValueError naming the field when `keep` is more than that, or not a count."""
+    if keep is None:
+        return token_ids
+    check_truncate_prompt_tokens(keep)
+    most = max_model_len - 1
+    if keep > most:
+        raise ValueError(f"truncate_prompt_tokens is {keep}, but this model's context holds at most {most} prompt "
+                         "tokens (and one to generate)")
+    return token_ids[-(most if keep == -1 else keep):]
 
 
 def check_stop_token_ids(stop_token_ids: list[int], vocab_size: int) -> None:

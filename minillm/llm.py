@@ -57,7 +57,7 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
             try:
-                self.engine.validate(self.engine.tokenize(prompt)[1])
+                self.engine.validate(self.engine.tokenize(prompt, p.truncate_prompt_tokens)[1])
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         if kind is not None:

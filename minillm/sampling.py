@@ -43,6 +43,13 @@ def _check_float(name: str, value, ok, bound: str) -> None:
         raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
 
 
+def check_truncate_prompt_tokens(keep: int | None) -> None:
+    """vLLM's `truncate_prompt_tokens` is None, -1 (as many as the context holds) or a count >= 1."""
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or (keep < 1 and keep != -1)):
+        raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for as many as the context holds, "
+                         f"got {keep!r}")
+
+
 def _token_id_list(ids) -> bool:
     return isinstance(ids, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                   for t in ids)
@@ -106,6 +113,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens' text out of the output text
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
     bad_words: list[str] | None = None  # words never generated (each with and without a leading space)
+    truncate_prompt_tokens: int | None = None  # run only the prompt's last k tokens (-1: as many as the context holds)
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -144,6 +152,7 @@ class SamplingParams:
                 raise ValueError(f"bad_words must be a list of words (strings with some non-space text) or None, "
                                  f"got {self.bad_words!r}")
             self.bad_words = list(self.bad_words)
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens, what=" (at most max_tokens)")
         _check_float("min_p", self.min_p, lambda p: 0 <= p <= 1, "in [0, 1]")
         low, high = REPETITION_PENALTY_RANGE

@@ -100,6 +100,15 @@ def test_each_limit_is_a_400_naming_the_field_and_flag(limited, route, body, par
     assert error["param"] == param and flag in error["message"] and error["code"] == "limit_exceeded", error
 
 
+@pytest.mark.parametrize("prompt", [[5] * 30, "The quick brown fox jumps over the lazy dog. Prefill"])
+def test_a_prompt_truncated_under_the_token_limit_is_served(limited, prompt):
+    """--max-prompt-tokens counts the tokens truncate_prompt_tokens keeps, for token ids as for text."""
+    with httpx.Client(base_url=limited.url, timeout=30) as c:
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "truncate_prompt_tokens": 10})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 10, r.text
+        wait_idle(c)
+
+
 def test_requests_within_the_limits_are_served(limited):
     with httpx.Client(base_url=limited.url, timeout=30) as c:
         r = c.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 8, "logprobs": 2,

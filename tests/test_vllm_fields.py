@@ -191,6 +191,25 @@ def test_truncate_prompt_tokens_minus_one_fits_the_context(client, offline):
     assert got["usage"]["prompt_tokens"] == context - 1  # one place left for the reply
 
 
+def test_truncate_prompt_tokens_offline_runs_the_last_tokens(offline):
+    """SamplingParams' field: `LLM.generate` runs the prompt's last k tokens, as the server does (the same code)."""
+    ids = offline.get_tokenizer()(PROMPT).input_ids
+    out = offline.generate(PROMPT, SamplingParams(max_tokens=6, ignore_eos=True, truncate_prompt_tokens=3),
+                           use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids[-3:] and out.outputs[0].text == offline_run(offline, ids[-3:], max_tokens=6,
+                                                                                     ignore_eos=True).text
+    context = offline.engine.max_model_len
+    long = list(range(5, 45)) * (context // 40 + 2)
+    with pytest.raises(ValueError, match="context"):
+        offline_run(offline, long, max_tokens=1)
+    fits = offline.generate(long, SamplingParams(max_tokens=1, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert fits.prompt_token_ids == long[-(context - 1):]
+    for bad in (0, -2, 1.5, "3", context):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            offline.generate(PROMPT, SamplingParams(truncate_prompt_tokens=bad), use_tqdm=False)
+    assert not offline.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("path,base", ENDPOINTS)
 @pytest.mark.parametrize("bad", [0, -2, 10 ** 6, "3", 1.5])
 def test_bad_truncate_prompt_tokens_are_refused_by_name(client, path, base, bad):

@@ -71,11 +71,9 @@ class ServerLimits:
     def check_completion(self, req: CompletionRequest, max_waiting: int | None) -> None:
         prompts = req.prompts()
         self.over("prompt", "prompts in one request", len(prompts), "max_prompts_per_request")
-        for p in prompts:
+        for p in prompts:  # tokens are counted after truncate_prompt_tokens (`Served.check_prompt`)
             if isinstance(p, str):
                 self.over("prompt", "characters", len(p), "max_prompt_chars")
-            else:
-                self.check_prompt_tokens(len(p), "prompt")
         if req.logprobs is not None:
             self.over("logprobs", "log-probs per token", req.logprobs, "max_logprobs")
         self._check_sampling(req, req.max_tokens, "max_tokens", len(prompts), max_waiting)

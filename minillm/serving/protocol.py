@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictBool, StrictInt, StrictStr
 
-from ..sampling import SEED_RANGE
+from ..sampling import SEED_RANGE, check_truncate_prompt_tokens
 
 log = logging.getLogger("minillm.serving")
 
@@ -131,10 +131,10 @@ class SamplingRequest(Request):
         self.check_unsupported()
         if self.best_of not in (None, self.n):
             raise _unsupported("best_of")
-        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 and \
-                self.truncate_prompt_tokens != -1:
-            raise OpenAIError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for as many as the context "
-                              f"holds, got {self.truncate_prompt_tokens}", param="truncate_prompt_tokens")
+        try:
+            check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="truncate_prompt_tokens") from None
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options is only allowed with stream set to true", param="stream_options")
         if self.prompt_logprobs is not None and self.stream:  # as vLLM: they come in the response body

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from starlette.responses import Response
 
-from ..engine import check_allowed_token_ids, check_stop_token_ids
+from ..engine import check_allowed_token_ids, check_stop_token_ids, truncate_prompt
 from ..outputs import PositionLogprobs, RequestOutput
 from ..sampling import RequestOutputKind, SamplingParams
 from ..stop_strings import compile_stops
@@ -86,15 +86,11 @@ def _or(value, default):
 
 
 def truncate(served: Served, token_ids: list[int], keep: int | None) -> list[int]:
-    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as the context holds, one
-    place left for the reply); a 400 naming the field when `keep` is more than that."""
-    if keep is None:
-        return token_ids
-    most = served.llm.max_model_len - 1
-    if keep > most:
-        raise OpenAIError(f"truncate_prompt_tokens is {keep}, but this model's context holds at most {most} prompt "
-                          "tokens (and one to generate)", param="truncate_prompt_tokens")
-    return token_ids[-(most if keep == -1 else keep):]
+    """The engine's `truncate_prompt` (what `truncate_prompt_tokens` keeps), a 400 naming the field if it cannot."""
+    try:
+        return truncate_prompt(token_ids, keep, served.llm.max_model_len)
+    except ValueError as e:
+        raise OpenAIError(str(e), param="truncate_prompt_tokens") from None
 
 
 def sampling_params(served: Served, req: SamplingRequest, prompt_len: int, max_tokens: int | None,
@@ -121,7 +117,7 @@ def sampling_params(served: Served, req: SamplingRequest, prompt_len: int, max_t
             repetition_penalty=_or(req.repetition_penalty, 1.0), presence_penalty=_or(req.presence_penalty, 0.0),
             frequency_penalty=_or(req.frequency_penalty, 0.0), skip_special_tokens=req.skip_special_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, allowed_token_ids=req.allowed_token_ids,
-            bad_words=req.bad_words,
+            bad_words=req.bad_words, truncate_prompt_tokens=req.truncate_prompt_tokens,
             output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY)
     except ValueError as e:
         raise OpenAIError(str(e), param=_param(str(e))) from None

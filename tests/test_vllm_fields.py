@@ -289,6 +289,19 @@ def test_unknown_fields_are_accepted_and_logged_once_per_request(client, offline
         assert records[-1].getMessage().endswith("{'messages.0.tone'}")
 
 
+@pytest.mark.parametrize("path,body,unknown,named", [
+    ("/tokenize", {"prompt": PROMPT}, {"max_token": 50, "stream_options_x": 1}, "{'max_token', 'stream_options_x'}"),
+    ("/tokenize", {"messages": MESSAGES}, {"max_token": 50}, "{'max_token'}"),
+    ("/tokenize", {"messages": MESSAGES}, {"messages": [{**MESSAGES[0], "tone": "dry"}]}, "{'messages.0.tone'}"),
+    ("/detokenize", {"tokens": [60, 61]}, {"max_token": 50}, "{'max_token'}"),
+])
+def test_tokenize_and_detokenize_log_their_unknown_fields_once(client, records, path, body, unknown, named):
+    assert post(client, path, {**body, **unknown}) == post(client, path, body)  # accepted, not read
+    warned = [r for r in records if "ignored" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+    assert warned[0].getMessage() == f"The following fields were present in the request but ignored: {named}"
+
+
 def test_the_openai_client_sends_nothing_spurious(server, records):
     """The official client sends only what the caller sets: none of it is refused, and none of it goes unread."""
     with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as oai:

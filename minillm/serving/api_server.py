@@ -237,6 +237,7 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         served.check_model(req.model)
+        req.check()
         if bad := [t for t in req.tokens if t >= llm.vocab_size]:
             raise OpenAIError(f"token ids outside the vocabulary [0, {llm.vocab_size}): {bad[:5]}", param="tokens")
         return {"prompt": await served.off_loop(llm.tokenizer.decode, req.tokens)}

@@ -43,6 +43,11 @@ class Request(BaseModel):
     model_config = ConfigDict(extra="allow")
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
 
+    def check(self) -> None:
+        """A 400 for a field this server cannot honour; a warning naming the fields that nothing reads."""
+        self.check_unsupported()
+        self.log_ignored()
+
     def check_unsupported(self) -> None:
         """A 400 naming the first field of `UNSUPPORTED` set to a value other than its neutral ones."""
         extra = self.model_extra or {}
@@ -128,7 +133,6 @@ class SamplingRequest(Request):
     def check(self) -> None:
         """A 400 naming the first field set to something this server cannot do, or that contradicts another; a
         warning naming the fields that nothing reads."""
-        self.check_unsupported()
         if self.best_of not in (None, self.n):
             raise _unsupported("best_of")
         try:
@@ -139,7 +143,7 @@ class SamplingRequest(Request):
             raise OpenAIError("stream_options is only allowed with stream set to true", param="stream_options")
         if self.prompt_logprobs is not None and self.stream:  # as vLLM: they come in the response body
             raise OpenAIError("prompt_logprobs is not available with stream set to true", param="prompt_logprobs")
-        self.log_ignored()
+        super().check()
 
 
 def _unsupported(field: str) -> OpenAIError:
@@ -253,6 +257,7 @@ class TokenizeRequest(Request):
         if (self.prompt is None) == (self.messages is None):
             raise OpenAIError("give either prompt or messages", param="prompt")
         check_continue(self.continue_final_message, self.add_generation_prompt)
+        super().check()
 
 
 class DetokenizeRequest(Request):

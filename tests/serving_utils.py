@@ -1,9 +1,11 @@
-"""Helpers for server tests: start a server on 127.0.0.1, read an SSE stream, scrape /metrics."""
+"""Helpers for server tests: start a server on 127.0.0.1, a client from a given local address, a tokenizer that
+holds a prompt until released, read an SSE stream, scrape /metrics, collect the server's log."""
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 
 import httpx
@@ -29,6 +31,37 @@ def serve_engine(engine: LLMEngine, name: str = "test-model", max_waiting_reques
                  **app_kw) -> ServerThread:
     """A started ServerThread over an engine a test has prepared (a slowed step, a tokenizer double)."""
     return ServerThread(build_app(AsyncLLM(engine, max_waiting_requests=max_waiting_requests), name, **app_kw)).start()
+
+
+def client(url: str, address: str, key: str | None = None) -> httpx.Client:
+    """A client whose connections come from `address` (127.0.0.x: another client to a per-address limit), with
+    `key` as its bearer token if given."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(base_url=url, headers=headers, timeout=30, transport=httpx.HTTPTransport(local_address=address))
+
+
+class SlowTokenizer:
+    """The engine's tokenizer, except that text containing "slow" blocks until the test releases it (or 10 s)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def _hold(self, text: str) -> None:
+        if "slow" in text:
+            self.entered.set()
+            self.release.wait(10)
+
+    def __call__(self, text, **kw):
+        self._hold(text)
+        return self.tokenizer(text, **kw)
+
+    def apply_chat_template(self, messages, **kw):
+        self._hold(messages[-1]["content"])
+        return self.tokenizer.apply_chat_template(messages, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
 
 
 def slow_steps(engine: LLMEngine, seconds: float) -> None:

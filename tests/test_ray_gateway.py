@@ -7,7 +7,7 @@ import pytest
 
 from minillm.__main__ import main
 from minillm.service.gateway import RateLimit, TokenBucket
-from serving_utils import start_server
+from serving_utils import client, start_server
 
 def test_the_bucket_holds_a_burst_and_refills_at_the_rate():
     bucket = TokenBucket(capacity=3, rate=2.0, now=0.0)
@@ -21,12 +21,6 @@ def test_the_bucket_holds_a_burst_and_refills_at_the_rate():
 def test_bad_limits_are_refused(rps, burst):
     with pytest.raises(ValueError):
         RateLimit(rps, burst)
-
-
-def client(url: str, address: str, key: str | None = None) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.Client(base_url=url, headers=headers, timeout=30,
-                        transport=httpx.HTTPTransport(local_address=address))
 
 
 def statuses(c: httpx.Client, n: int) -> list[int]:

@@ -2,7 +2,6 @@
 its flag, a request that could never be admitted is a 400 (not an endless 429), and a 429 is counted as a
 rejection, not as an aborted request."""
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,34 +9,10 @@ import httpx
 import pytest
 
 from minillm.serving import ServerLimits
-from serving_utils import scrape, serve_engine, slow_steps, start_server, tiny_engine, wait_idle
+from serving_utils import SlowTokenizer, scrape, serve_engine, slow_steps, start_server, tiny_engine, wait_idle
 
 PROMPT = "The quick brown fox"
 CHAT = [{"role": "user", "content": "hi"}]
-
-
-class SlowTokenizer:
-    """The engine's tokenizer, except that text containing "slow" blocks until the test releases it (or 10 s)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.entered, self.release = threading.Event(), threading.Event()
-
-    def _hold(self, text: str) -> None:
-        if "slow" in text:
-            self.entered.set()
-            self.release.wait(10)
-
-    def __call__(self, text, **kw):
-        self._hold(text)
-        return self.tokenizer(text, **kw)
-
-    def apply_chat_template(self, messages, **kw):
-        self._hold(messages[-1]["content"])
-        return self.tokenizer.apply_chat_template(messages, **kw)
-
-    def __getattr__(self, name):
-        return getattr(self.tokenizer, name)
 
 
 @pytest.mark.parametrize("route,body", [

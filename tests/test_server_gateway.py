@@ -14,15 +14,9 @@ from minillm.serving import AsyncLLM, ServerThread, build_app
 from minillm.service.gateway import AUTH_FAILURE_LIMIT, Buckets, RateLimit, RateLimiter
 from minillm.serving.launch import API_KEY_ENV, app_options, connection_options
 from minillm.serving.middleware import bind_hosts
-from serving_utils import serve_engine, slow_steps, start_server, stream_json, tiny_engine, wait_for
+from serving_utils import client, serve_engine, slow_steps, start_server, stream_json, tiny_engine, wait_for
 
 KEY = "sk-gateway"
-
-
-def client(url: str, address: str, key: str | None = None) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.Client(base_url=url, headers=headers, timeout=30,
-                        transport=httpx.HTTPTransport(local_address=address))
 
 
 def statuses(c: httpx.Client, n: int) -> list[int]:

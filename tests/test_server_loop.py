@@ -13,9 +13,8 @@ import pytest
 
 from minillm import stop_strings
 from minillm.serving import ServerLimits
-from serving_utils import serve_engine, slow_steps, start_server, tiny_engine
+from serving_utils import SlowTokenizer, serve_engine, slow_steps, start_server, tiny_engine
 from transformers import AutoTokenizer
-from test_server_admission import SlowTokenizer
 
 LOOP_THREAD = "minillm-server"  # ServerThread runs uvicorn and its event loop here
 

@@ -172,8 +172,8 @@ class LLMEngine:
         free, _ = torch.cuda.mem_get_info(self.device)
         return int(free * GPU_MEMORY_UTILIZATION)
 
-    def tokenize(self, prompt: str | list[int], truncate_prompt_tokens: int | None = None
-                 ) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: str | list[int],
+                 truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
         """Token ids of a prompt (text is encoded with the tokenizer's own special-token rules), only the last
         `truncate_prompt_tokens` of them when it is set (`truncate_prompt`)."""
         if isinstance(prompt, str):

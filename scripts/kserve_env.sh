@@ -15,7 +15,7 @@ start=$(date +%s)
 "$venv/bin/pip" install -q --no-deps -e .
 "$venv/bin/pip" install -q -e ".[kserve]"
 echo "kserve extra installed in $(( $(date +%s) - start )) s"
-"$venv/bin/pip" freeze | grep -v '^-e ' | sort > "$venv/freeze-after.txt"
+"$venv/bin/pip" freeze --exclude-editable | sort > "$venv/freeze-after.txt"
 echo "what the kserve extra changed (< before, > after):"
 diff "$venv/freeze-before.txt" "$venv/freeze-after.txt" || true
 "$venv/bin/pip" check || echo "(pip check: the mismatches above are the price of the kserve extra)"

@@ -32,7 +32,8 @@ def _texts(client: openai.OpenAI) -> tuple[str, str]:
 
 def test_kserve_model_server_answers_as_minillm(tiny_llama):
     with start_server(tiny_llama, name=NAME) as own, \
-            start_kserve(NAME, ["--model", str(tiny_llama), "--device", "cpu", "--dtype", "float32"]) as ks:
+            start_kserve(NAME, ["--model", str(tiny_llama), "--device", "cpu", "--dtype", "float32",
+                                "--max-waiting-requests", "2"]) as ks:
         expected = _texts(_client(own.url + "/v1"))
         assert all(expected), expected
         assert _texts(_client(ks.url + "/openai/v1")) == expected
@@ -53,6 +54,10 @@ def test_kserve_model_server_answers_as_minillm(tiny_llama):
             assert r.status_code == 400 and "instances.0.stream" in r.json()["error"], r.text
             r = http.post(f"/v1/models/{NAME}:predict", json={"inputs": []})
             assert r.status_code == 400 and "instances" in r.json()["error"], r.text
+            # more sequences than may wait: the engine's 429, not a 500
+            r = http.post(f"/v1/models/{NAME}:predict",
+                          json={"instances": [{"prompt": PROMPT, "n": 3, "max_tokens": 8}]})
+            assert r.status_code == 429 and r.headers["retry-after"] == "1" and "limit 2" in r.json()["error"], r.text
             r = http.post(f"/v1/models/{NAME}:predict", json={"instances": [{"prompt": PROMPT, **GREEDY}]})
             assert r.json()["predictions"][0]["choices"][0]["text"] == expected[0]
         assert "127.0.0.1" in ks.log() and "0.0.0.0" not in ks.log()

@@ -25,11 +25,13 @@ import httpx
 import kserve
 from kserve.errors import InvalidInput
 from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from ..engine import LLMEngine
 from ..engine_args import EngineArgs
 from ..serving.api_server import build_app
-from ..serving.async_llm import AsyncLLM
+from ..serving.async_llm import AsyncLLM, EngineOverloaded, EngineUnavailable
 from ..serving.completions import completion
 from ..serving.launch import bind
 from ..serving.middleware import bind_hosts
@@ -44,14 +46,14 @@ async def _never() -> None:
 class MiniLLMModel(kserve.Model):
     """minillm's `AsyncLLM` behind KServe's model interface (`load`, `predict`), and its OpenAI app (`openai_app`)."""
 
-    def __init__(self, name: str, engine_args: EngineArgs, host: str = "127.0.0.1"):
+    def __init__(self, name: str, engine_args: EngineArgs, host: str = "127.0.0.1", max_waiting_requests: int = 256):
         super().__init__(name)
-        self.engine_args, self.host = engine_args, host
+        self.engine_args, self.host, self.max_waiting_requests = engine_args, host, max_waiting_requests
         self.engine = True  # KServe awaits `start_engine` on its event loop beside the HTTP server
         self.openai_app = None
 
     def load(self) -> bool:
-        llm = AsyncLLM(LLMEngine(self.engine_args))
+        llm = AsyncLLM(LLMEngine(self.engine_args), max_waiting_requests=self.max_waiting_requests)
         self.openai_app = build_app(llm, self.name, allowed_hosts=bind_hosts(self.host))
         self.ready = True
         return self.ready
@@ -70,16 +72,22 @@ class MiniLLMModel(kserve.Model):
     async def predict(self, payload: dict, headers: dict[str, str] | None = None,
                       response_headers: dict[str, str] | None = None) -> dict:
         """V1: `{"instances": [completion body, ...]}` -> `{"predictions": [completion response, ...]}`, the
-        instances run together; a bad instance is a 400 naming it."""
+        instances run together and are admitted all or none; a bad instance is a 400 naming it, and stops the
+        others."""
         instances = payload.get("instances") if isinstance(payload, dict) else None
         if not isinstance(instances, list) or not instances:
             raise InvalidInput('expected {"instances": [...]}, each an OpenAI completion request body')
         requests = [self._request(i, body) for i, body in enumerate(instances)]
         served = self.openai_app.state.served
+        served.llm.check_room(sum(len(r.prompts()) * r.n for r in requests))
+        tasks = [asyncio.ensure_future(completion(served, r, _never)) for r in requests]
         try:
-            responses = await asyncio.gather(*(completion(served, r, _never) for r in requests))
+            responses = await asyncio.gather(*tasks)
         except OpenAIError as e:
             raise InvalidInput(e.message) from None
+        finally:
+            for t in tasks:  # a failed instance's siblings are aborted: their KV blocks go back at once
+                t.cancel()
         return {"predictions": [json.loads(r.body) for r in responses]}
 
     @staticmethod
@@ -94,6 +102,14 @@ class MiniLLMModel(kserve.Model):
             raise InvalidInput(f"instances.{index}.stream: KServe's predict returns whole responses; use "
                                "/openai/v1/completions to stream")
         return req
+
+
+async def _engine_refused(request: Request, e: EngineOverloaded | EngineUnavailable) -> JSONResponse:
+    """The engine's refusals on KServe's routes, in KServe's error shape: 429 when it is full (try again), 503 when
+    it is shutting down; KServe's own handler would make both a 500."""
+    if isinstance(e, EngineOverloaded):
+        return JSONResponse({"error": str(e)}, status_code=429, headers={"Retry-After": "1"})
+    return JSONResponse({"error": str(e)}, status_code=503)
 
 
 class _LoopbackModelServer(kserve.ModelServer):
@@ -117,11 +133,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(parents=[kserve_parser], description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1",
                         help="the address KServe's REST server binds (default: 127.0.0.1; 0.0.0.0 in a pod)")
+    parser.add_argument("--max-waiting-requests", type=int, default=256,
+                        help="sequences allowed to wait; beyond this a request gets 429 with Retry-After")
     EngineArgs.add_cli_args(parser)
     args = parser.parse_args(argv)
-    model = MiniLLMModel(args.model_name, EngineArgs.from_cli_args(args), args.host)
+    model = MiniLLMModel(args.model_name, EngineArgs.from_cli_args(args), args.host, args.max_waiting_requests)
     model.load()
     app.mount("/openai", model.openai_app)
+    for refusal in (EngineOverloaded, EngineUnavailable):
+        app.add_exception_handler(refusal, _engine_refused)
     _LoopbackModelServer(args.host, http_port=args.http_port, enable_grpc=False, workers=1).start([model])
 
 

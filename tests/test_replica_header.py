@@ -2,6 +2,7 @@
 itself, and a message the app sends meanwhile (a stream's keep-alive ping during a cold start) goes after it."""
 
 import asyncio
+from types import SimpleNamespace
 
 from minillm.service.replica_header import REPLICAS, IngressHeaders
 
@@ -12,7 +13,7 @@ def test_a_ping_sent_while_the_start_waits_for_its_replica_goes_after_the_start(
         sent = []
 
         async def app(scope, receive, send):
-            REPLICAS.get().append(replica)
+            REPLICAS.get().append(SimpleNamespace(replica=replica))  # a call, as `RemoteLLM` records it
             start = asyncio.create_task(send({"type": "http.response.start", "status": 200, "headers": []}))
             await asyncio.sleep(0)  # the start now waits for the replica, as during a cold start
             ping = asyncio.create_task(send({"type": "http.response.body", "body": b": ping", "more_body": True}))

@@ -29,6 +29,7 @@ from ..engine_args import EngineArgs
 from ..threads import available_cores
 from ..weights import DEFAULT_MODEL, resolve_model
 from ..serving.api_server import build_app
+from ..serving.async_llm import STEP_TIMEOUT_S
 from .ray_cluster import LOOPBACK, QUIET, listen_on_node_ip, start_ray, start_serve
 from .replica_header import IngressHeaders
 from .remote_llm import RemoteLLM
@@ -74,11 +75,12 @@ def replica_resources(engine_args: EngineArgs, max_replicas: int) -> tuple[int, 
 def build_application(engine_args: EngineArgs, replicas: int = 2, router: str | None = None,
                       autoscaling: dict | None = None, model_name: str | None = None,
                       max_waiting_requests: int | None = 256, drain_seconds: float = 0.0,
-                      **app_kw) -> serve.Application:
+                      step_timeout_s: float | None = STEP_TIMEOUT_S, **app_kw) -> serve.Application:
     """The Serve application: `replicas` engines (or `autoscaling`, Serve's AutoscalingConfig fields, starting
     at `replicas`; `min_replicas` 0 lets Serve remove every replica of an idle service), routed by `router`
-    (a name in `routers.ROUTERS`; None: Serve's default), behind the app.
-    `app_kw` goes to `build_app` (limits, api_key, allowed_origins, rate_limit)."""
+    (a name in `routers.ROUTERS`; None: Serve's default), behind the app; a replica whose step runs past
+    `step_timeout_s` fails its health check. `app_kw` goes to `build_app` (limits, api_key, allowed_origins,
+    rate_limit)."""
     if replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {replicas}")
     scales_to_zero = bool(autoscaling) and autoscaling.get("min_replicas", 1) < 1
@@ -103,7 +105,8 @@ def build_application(engine_args: EngineArgs, replicas: int = 2, router: str | 
             options["request_router_config"] = config
     max_model_len = (context_length(ModelConfig.from_dir(path), engine_args.num_kv_blocks, engine_args.block_size)
                      if scales_to_zero else None)  # otherwise learned from a replica
-    llm = LLMServer.options(**options).bind(replace(engine_args, model=str(path), num_threads=threads))
+    llm = LLMServer.options(**options).bind(replace(engine_args, model=str(path), num_threads=threads),
+                                            step_timeout_s)
     name = model_name or (path.name if engine_args.model else DEFAULT_MODEL)
     return OpenAIIngress.options(max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
                                  graceful_shutdown_timeout_s=drain_seconds, graceful_shutdown_wait_loop_s=0.1,
@@ -216,7 +219,8 @@ def serve_on_ray(args, autoscaling: dict | None, app_kw: dict) -> int:
     service = RayService(EngineArgs.from_cli_args(args), ray_address=args.ray_address, host=args.host,
                          port=args.port, replicas=args.replicas, router=args.router,
                          autoscaling=autoscaling, model_name=name,
-                         max_waiting_requests=args.max_waiting_requests, drain_seconds=args.drain_seconds, **app_kw)
+                         max_waiting_requests=args.max_waiting_requests, drain_seconds=args.drain_seconds,
+                         step_timeout_s=args.step_timeout or None, **app_kw)
     try:
         service.start()
     except KeyboardInterrupt:  # Ctrl-C while the replicas load: start() has already stopped what it began

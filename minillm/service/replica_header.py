@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 from contextvars import ContextVar
 
-# Futures of the replica ids of the engine calls made while one HTTP request is handled (None: no replica
-# answered before the call failed). Set by `IngressHeaders`, filled by `RemoteLLM.add_request`.
-REPLICAS: ContextVar[list[asyncio.Future] | None] = ContextVar("minillm_replicas", default=None)
+# The engine calls made while one HTTP request is handled (`remote_llm.RemoteCall`: its `replica` is a future
+# of the serving replica's id, None if none answered). Set by `IngressHeaders`, filled by `RemoteLLM.add_request`.
+REPLICAS: ContextVar[list | None] = ContextVar("minillm_replicas", default=None)
 
 
 class IngressHeaders:
@@ -28,15 +28,15 @@ class IngressHeaders:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        replicas: list[asyncio.Future] = []
-        token = REPLICAS.set(replicas)
+        calls: list = []
+        token = REPLICAS.set(calls)
         in_order = asyncio.Lock()  # a message sent while the start waits for its replica goes after it
 
         async def send_with_replica(message):
             async with in_order:
                 if message["type"] == "http.response.start":
                     headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
-                    ids = [r for r in await asyncio.gather(*replicas) if r is not None]
+                    ids = [r for r in await asyncio.gather(*(c.replica for c in calls)) if r is not None]
                     if ids:
                         headers.append((b"x-minillm-replica", ",".join(dict.fromkeys(ids)).encode("latin-1")))
                     message = {**message, "headers": headers}

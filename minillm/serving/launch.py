@@ -23,7 +23,7 @@ import uvicorn
 from ..engine_args import EngineArgs
 from ..weights import DEFAULT_MODEL
 from .api_server import build_app
-from .async_llm import AsyncLLM
+from .async_llm import STEP_TIMEOUT_S, AsyncLLM
 from ..service.gateway import RateLimit
 from .limits import ServerLimits
 
@@ -158,6 +158,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequences allowed to wait; beyond this a request gets 429 with Retry-After")
     parser.add_argument("--drain-seconds", type=float, default=5.0,
                         help="on SIGINT/SIGTERM, how long requests in flight may run before they are aborted")
+    parser.add_argument("--step-timeout", type=float, default=STEP_TIMEOUT_S, metavar="SECONDS",
+                        help="an engine step running this long is taken for hung: /health answers 503 and new "
+                             "requests are refused (on Ray the replica is restarted) until it returns; 0: never "
+                             f"(default: {STEP_TIMEOUT_S:g})")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer <key>` on every route but /health, /metrics and "
@@ -233,7 +237,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--router chooses among replicas: give --replicas N with N > 1")
     engine = LLMEngine(EngineArgs.from_cli_args(args))
     name = args.served_model_name or (engine.path.name if args.model else DEFAULT_MODEL)
-    llm = AsyncLLM(engine, max_waiting_requests=args.max_waiting_requests)
+    llm = AsyncLLM(engine, max_waiting_requests=args.max_waiting_requests, step_timeout_s=args.step_timeout or None)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
 

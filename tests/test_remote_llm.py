@@ -1,7 +1,8 @@
 """Chapter 9's `RemoteLLM` without Ray, over stand-in replicas in this process: a request whose replica fails
 before any output (its engine failed, or the replica died) is sent again and succeeds, counted in /metrics
 as `request_retries_total`, and names the replica that served it; a stream that has begun ends with its
-error, not a retry; retries are bounded; /metrics answers before any replica has."""
+error, not a retry; retries are bounded; /metrics answers before any replica has; the waiting bound counts
+requests admitted at the ingress until their first output, however long the stats polls take."""
 
 import asyncio
 
@@ -14,7 +15,7 @@ from minillm.service import remote_llm
 from minillm.service.remote_llm import RemoteLLM
 from minillm.service.replica_header import REPLICAS
 from minillm.serving import AsyncLLM
-from minillm.serving.async_llm import EngineDeadError, EngineUnavailable
+from minillm.serving.async_llm import EngineDeadError, EngineOverloaded, EngineUnavailable
 from minillm.serving.prometheus import ServerMetrics
 from serving_utils import slow_steps, tiny_engine
 
@@ -37,7 +38,8 @@ class Call:
 class Replicas:
     """A stand-in for a Serve handle to `LLMServer` replicas: each call goes to a replica of the kind `plan` names
     next: "dead" refuses as a failed engine does (before naming itself), "killed" names itself and dies before
-    any output, "dies" dies after its first output, "live" (also once the plan is used up) serves the request
+    any output, "dies" dies after its first output, "queued" names itself and sends nothing (a request queued
+in Serve's router), "live" (also once the plan is used up) serves the request
     on a real engine."""
 
     def __init__(self, llm: AsyncLLM, plan: list[str]):
@@ -61,6 +63,8 @@ class Replicas:
         yield replica_id
         if kind == "killed":
             raise ActorDiedError()
+        if kind == "queued":
+            await asyncio.Event().wait()
         async for out in self.llm.generate(request["prompt_token_ids"], request["params"], request["request_id"]):
             yield out
             if kind == "dies":
@@ -73,7 +77,7 @@ class Replicas:
         return []  # no replica answers the stats poll: the context length is given
 
 
-def run(model, plan: list[str], read):
+def run(model, plan: list[str], read, max_waiting_requests: int = 8):
     """Start a `RemoteLLM` over `Replicas(plan)`, await `read(remote)`, stop both; (result, remote, replicas)."""
     async def main():
         engine = tiny_engine(model, num_kv_blocks=32)
@@ -81,7 +85,7 @@ def run(model, plan: list[str], read):
         engine_llm = AsyncLLM(engine)
         await engine_llm.start()
         replicas = Replicas(engine_llm, plan)
-        remote = RemoteLLM(replicas, model, max_waiting_requests=8, max_model_len=128)
+        remote = RemoteLLM(replicas, model, max_waiting_requests=max_waiting_requests, max_model_len=128)
         await remote.start()
         try:
             return await read(remote), remote, replicas
@@ -139,3 +143,18 @@ def test_metrics_answer_before_any_replica_has(tiny_llama):
     metrics, _, _ = run(tiny_llama, [], read)
     assert 'minillm:num_requests_waiting{model_name="m"} 0.0' in metrics
     assert 'minillm:kv_cache_usage_perc{model_name="m"} 0.0' in metrics
+
+
+def test_requests_queued_beyond_the_replicas_count_against_the_waiting_bound(tiny_llama):
+    """Two requests queued (no output yet, whatever the replicas' stats say) fill a bound of 2, across polls."""
+    async def read(remote):
+        queued = [remote.add_request(f"q{i}", [1, 2, 3], PARAMS) for i in range(2)]
+        await asyncio.sleep(2 * remote_llm.STATS_PERIOD_S)  # polls come and go: the replicas report no one waiting
+        with pytest.raises(EngineOverloaded, match="2 sequences are waiting"):
+            remote.add_request("q2", [1, 2, 3], PARAMS)
+        await queued[0].aclose()  # its client left: it waits no more
+        await asyncio.sleep(0)
+        return [out async for out in remote.generate([1, 2, 3], PARAMS, "q3")]
+
+    outs, remote, _ = run(tiny_llama, ["queued", "queued"], read, max_waiting_requests=2)
+    assert outs[-1].finished and remote.num_waiting == 0

@@ -50,6 +50,7 @@ class RemoteCall:
     replica: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     pump: asyncio.Task | None = None
     last: RequestOutput | None = None
+    waiting: int = 0  # its sequences still counted in `RemoteLLM.num_waiting`
 
     def settle(self, replica_id: str | None) -> None:
         if not self.replica.done():
@@ -65,8 +66,10 @@ class RemoteCall:
 class RemoteLLM:
     """`AsyncLLM`'s interface (see its docstring) over the replicas of a Serve deployment (`replica.LLMServer`).
 
-    A sequence counts as waiting from the moment it is sent until the next stats poll, then as the replicas
-    report it; `max_waiting_requests` bounds that sum, as it bounds one engine's waiting queue.
+    A sequence counts as waiting from its admission here until its request's first output arrives (or the
+    request ends): queued in Serve's router or in a replica's engine alike. `max_waiting_requests` bounds that
+    count, as it bounds one engine's waiting queue; it is kept here, where requests are admitted, so it never
+    lags behind the replicas' stats.
     `max_model_len` given (a service that may scale to zero) means no replica need be up: requests are sent
     anyway and Serve starts one for them, and an idle service is not polled, so that its replicas see no
     traffic at all and can be removed; otherwise the context length is learned from the first replica.
@@ -88,7 +91,7 @@ class RemoteLLM:
         self._stats: dict = dict.fromkeys(ADDITIVE, 0)  # what /metrics shows before any replica has answered
         self._text: OutputProcessor | None = None  # the engine's token display, once max_model_len is known
         self._calls: dict[str, RemoteCall] = {}
-        self._sent = 0  # sequences sent since the last poll began
+        self.num_waiting = 0  # sequences admitted whose request has had no output yet
         self.num_retries = 0  # attempts sent again after a replica failed before a request's first output
         self._accepting = False
         self._poller: asyncio.Task | None = None
@@ -133,10 +136,10 @@ class RemoteLLM:
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate(token_ids)
         request = dict(prompt_token_ids=token_ids, params=params, request_id=request_id, user=REQUEST_USER.get())
-        call = RemoteCall(RequestStream(self, request_id, params.output_kind), self._send(request))
+        call = RemoteCall(RequestStream(self, request_id, params.output_kind), self._send(request), waiting=params.n)
         call.pump = asyncio.create_task(self._pump(request, call))
         self._calls[request_id] = call
-        self._sent += params.n
+        self.num_waiting += params.n
         if (calls := REPLICAS.get()) is not None:
             calls.append(call)
         return call.stream
@@ -165,6 +168,7 @@ class RemoteLLM:
                 await asyncio.sleep(delay)
                 call.resend(self._send(request))
         finally:
+            self._started(call)
             call.settle(None)
             if call.last is not None and not call.last.finished:  # cancelled or failed: listeners see it end
                 self._notify(aborted(call.last))
@@ -178,20 +182,25 @@ class RemoteLLM:
                 call.settle(item)
                 continue
             self._notify(item)
+            self._started(call)
             call.last = item
             call.stream.queue.put_nowait(item)
         if call.last is None or not call.last.finished:
             raise EngineUnavailable("the replica ended the stream before the request finished")
+
+    def _started(self, call: RemoteCall) -> None:
+        """The call's sequences wait no longer (its first output came, or it ended)."""
+        self.num_waiting -= call.waiting
+        call.waiting = 0
 
     def _notify(self, out: RequestOutput) -> None:
         for listener in self.listeners:
             listener([out])
 
     def check_room(self, num_seqs: int) -> None:
-        """EngineOverloaded unless `num_seqs` more sequences may wait (reported by the replicas, or sent since)."""
-        waiting = sum(s["num_waiting"] for s in self.replicas.values()) + self._sent
-        if self.max_waiting_requests is not None and waiting + num_seqs > self.max_waiting_requests:
-            raise EngineOverloaded(f"{waiting} sequences are waiting (limit {self.max_waiting_requests}); "
+        """EngineOverloaded unless `num_seqs` more sequences may wait (admitted here, no output yet)."""
+        if self.max_waiting_requests is not None and self.num_waiting + num_seqs > self.max_waiting_requests:
+            raise EngineOverloaded(f"{self.num_waiting} sequences are waiting (limit {self.max_waiting_requests}); "
                                    "try again shortly")
 
     generate = AsyncLLM.generate  # the same loop: add the request, yield its outputs, close its stream
@@ -254,7 +263,6 @@ class RemoteLLM:
         """Ask every replica for its stats; one that fails (it died) is left out until it answers again."""
         from ray.serve.exceptions import DeploymentUnavailableError
 
-        sent = self._sent
         try:
             results = await self.handle.broadcast("stats").results_async(timeout_s=STATS_TIMEOUT_S,
                                                                           return_exceptions=True)
@@ -262,7 +270,6 @@ class RemoteLLM:
             return
         except DeploymentUnavailableError:  # Serve has no replica up (all starting or restarting)
             results = []
-        self._sent -= sent
         self.replicas = {s["replica_id"]: s for s in results if isinstance(s, dict)}
         first = next(iter(self.replicas.values()), {})  # the engine's facts, kept from the last replica seen
         self._stats = {**self._stats, **first, **{k: sum(s[k] for s in self.replicas.values()) for k in ADDITIVE}}

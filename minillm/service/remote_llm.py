@@ -27,7 +27,8 @@ from ..output_processor import OutputProcessor
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
 from ..serving.api_server import REQUEST_USER
-from ..serving.async_llm import AsyncLLM, EngineDeadError, EngineOverloaded, EngineUnavailable, RequestFailed, RequestStream
+from ..serving.async_llm import (AsyncLLM, EngineDeadError, EngineOverloaded, EngineUnavailable, RequestFailed,
+                                 RequestStream)
 from ..serving.protocol import OpenAIError
 from .replica_header import REPLICAS
 

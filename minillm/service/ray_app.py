@@ -38,6 +38,7 @@ from .replica import LLMServer
 APP_NAME = "minillm"
 INGRESS_MAX_ONGOING_REQUESTS = 100_000  # every HTTP request passes the one ingress; the app's own 429 is the limit
 REDEPLOY_STOP_S = 120  # how long `RayService.redeploy` waits for the old replicas to stop (their drain included)
+DRAIN_S = 30.0  # how long a replica being removed (scaling down, redeploy, stop) lets its requests finish
 HEALTH_CHECK_PERIOD_S = 2.0  # how soon Serve notices a replica that stopped answering and starts another
 
 
@@ -74,12 +75,13 @@ def replica_resources(engine_args: EngineArgs, max_replicas: int) -> tuple[int, 
 
 def build_application(engine_args: EngineArgs, replicas: int = 2, router: str | None = None,
                       autoscaling: dict | None = None, model_name: str | None = None,
-                      max_waiting_requests: int | None = 256, drain_seconds: float = 0.0,
+                      max_waiting_requests: int | None = 256, drain_seconds: float = DRAIN_S,
                       step_timeout_s: float | None = STEP_TIMEOUT_S, **app_kw) -> serve.Application:
     """The Serve application: `replicas` engines (or `autoscaling`, Serve's AutoscalingConfig fields, starting
     at `replicas`; `min_replicas` 0 lets Serve remove every replica of an idle service), routed by `router`
     (a name in `routers.ROUTERS`; None: Serve's default), behind the app; a replica whose step runs past
-    `step_timeout_s` fails its health check. `app_kw` goes to `build_app` (limits, api_key, allowed_origins,
+    `step_timeout_s` fails its health check. A replica that Serve removes (scaling down, a redeploy, a stop)
+    first lets its requests in flight run for up to `drain_seconds` (Serve's graceful shutdown). `app_kw` goes to `build_app` (limits, api_key, allowed_origins,
     rate_limit)."""
     if replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {replicas}")

@@ -157,7 +157,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="sequences allowed to wait; beyond this a request gets 429 with Retry-After")
     parser.add_argument("--drain-seconds", type=float, default=5.0,
-                        help="on SIGINT/SIGTERM, how long requests in flight may run before they are aborted")
+                        help="on SIGINT/SIGTERM, how long requests in flight may run before they are aborted; "
+                             "on Ray Serve also when a replica is removed (scaling down, a stop)")
     parser.add_argument("--step-timeout", type=float, default=STEP_TIMEOUT_S, metavar="SECONDS",
                         help="an engine step running this long is taken for hung: /health answers 503 and new "
                              "requests are refused (on Ray the replica is restarted) until it returns; 0: never "

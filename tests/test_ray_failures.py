@@ -1,0 +1,84 @@
+"""Chapter 9's service on Ray Serve when replicas go away, on a tiny model: requests a killed replica held
+before any output reached their client are sent to the other replica and all succeed (counted in
+`request_retries_total`), and a replica removed by scaling down first lets its streams finish. One service
+serves the module (it takes seconds to start); the tests run in order."""
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from minillm.engine_args import EngineArgs
+from serving_utils import scrape, sse_events, wait_for
+from tiny_models import build_tiny_model
+
+ray_app = pytest.importorskip("minillm.service.ray_app", reason="ray[serve] is not installed")
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one Ray instance at a time on this machine
+BODY = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 300, "ignore_eos": True}
+RECOVERY_S = 120  # a replica's restart: a new process imports torch and loads the model
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    """Two replicas in turn, one sequence running at a time on each (the others wait), one thread each (so that
+    a change of the replica count alone leaves the replicas' options as they are)."""
+    model = build_tiny_model(tmp_path_factory.mktemp("ray-model"), hidden_size=256, intermediate_size=512,
+                             num_hidden_layers=6, max_position_embeddings=1024)
+    args = EngineArgs(model=str(model), device="cpu", dtype="float32", num_kv_blocks=64, max_num_seqs=1,
+                      num_threads=1)
+    with ray_app.RayService(args, replicas=2, router="round_robin", model_name="tiny") as svc:
+        yield svc
+
+
+@pytest.fixture
+def http(service):
+    with httpx.Client(base_url=service.url, timeout=120) as c:
+        yield c
+
+
+def test_requests_a_killed_replica_held_are_retried_on_the_other(service, http):
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(http.post, "/v1/completions", json=BODY) for _ in range(4)]  # two per replica
+        stats = wait_for(lambda: (s := service.replica_stats()) and sum(r["num_unfinished"] for r in s) == 4 and s,
+                         60, "four requests on the replicas")
+        victim = next(s for s in stats if s["num_unfinished"] == 2)
+        service.kill_replica(victim["replica_id"])  # one running, one waiting there: no output sent to a client
+        responses = [f.result() for f in futures]
+    assert [r.status_code for r in responses] == [200] * 4, [r.text[:200] for r in responses]
+    assert {r.json()["choices"][0]["finish_reason"] for r in responses} == {"length"}
+    assert victim["replica_id"] not in {r.headers["x-minillm-replica"] for r in responses}
+    assert scrape(http)["request_retries_total"] >= 2
+    wait_for(lambda: len(service.replica_stats()) == 2, RECOVERY_S, "Serve to restart the replica")
+
+
+def test_a_replica_removed_by_scaling_down_lets_its_stream_finish(service, http):
+    streams: list[list[str]] = [[], []]
+    started = [threading.Event(), threading.Event()]
+
+    def read(i: int) -> None:
+        with http.stream("POST", "/v1/completions", json={**BODY, "max_tokens": 600, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    streams[i].append(line[len("data: "):])
+                    started[i].set()
+
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(2)]  # one on each replica
+    for t in readers:
+        t.start()
+    try:
+        assert all(e.wait(60) for e in started)
+        start = time.monotonic()
+        service.redeploy(replicas=1)  # returns once the removed replica has stopped
+        stopped_after = time.monotonic() - start
+    finally:
+        for t in readers:
+            t.join(120)
+    for events in streams:
+        assert events[-1] == "[DONE]" and "error" not in events[-2], events[-2:]
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        assert sum(len(json.loads(e)["choices"][0]["text"]) > 0 for e in events[:-1]) > 100
+    assert stopped_after > 1  # it waited for the stream, not cut it
+    assert service.replica_states() == {"RUNNING": 1}

@@ -44,6 +44,7 @@ in Serve's router), "live" (also once the plan is used up) serves the request
 
     def __init__(self, llm: AsyncLLM, plan: list[str]):
         self.llm, self.plan, self.sent = llm, list(plan), []
+        self.answers: list[dict] = []  # what the replicas answer a stats poll: none by default
 
     def options(self, stream: bool) -> "Replicas":
         return self
@@ -74,7 +75,7 @@ in Serve's router), "live" (also once the plan is used up) serves the request
         return self
 
     async def results_async(self, timeout_s: float, return_exceptions: bool) -> list[dict]:
-        return []  # no replica answers the stats poll: the context length is given
+        return self.answers
 
 
 def run(model, plan: list[str], read, max_waiting_requests: int = 8):
@@ -143,6 +144,22 @@ def test_metrics_answer_before_any_replica_has(tiny_llama):
     metrics, _, _ = run(tiny_llama, [], read)
     assert 'minillm:num_requests_waiting{model_name="m"} 0.0' in metrics
     assert 'minillm:kv_cache_usage_perc{model_name="m"} 0.0' in metrics
+
+
+def test_metrics_fall_to_zero_once_no_replica_answers(tiny_llama):
+    async def read(remote):
+        registry = ServerMetrics(remote, "m").registry
+        remote.handle.answers = [{**remote.handle.llm.stats(), "num_running": 3, "num_unfinished": 3,
+                                  "replica_id": "replica-1", "pid": 1}]
+        await remote.poll()
+        busy = generate_latest(registry).decode()
+        remote.handle.answers = []  # the replica is gone
+        await remote.poll()
+        return busy, generate_latest(registry).decode()
+
+    (busy, gone), _, _ = run(tiny_llama, [], read)
+    assert 'minillm:num_requests_running{model_name="m"} 3.0' in busy
+    assert 'minillm:num_requests_running{model_name="m"} 0.0' in gone
 
 
 def test_requests_queued_beyond_the_replicas_count_against_the_waiting_bound(tiny_llama):

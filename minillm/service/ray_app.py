@@ -81,8 +81,8 @@ def build_application(engine_args: EngineArgs, replicas: int = 2, router: str | 
     at `replicas`; `min_replicas` 0 lets Serve remove every replica of an idle service), routed by `router`
     (a name in `routers.ROUTERS`; None: Serve's default), behind the app; a replica whose step runs past
     `step_timeout_s` fails its health check. A replica that Serve removes (scaling down, a redeploy, a stop)
-    first lets its requests in flight run for up to `drain_seconds` (Serve's graceful shutdown). `app_kw` goes to `build_app` (limits, api_key, allowed_origins,
-    rate_limit)."""
+    first lets its requests in flight run for up to `drain_seconds` (Serve's graceful shutdown). `app_kw` goes
+    to `build_app` (limits, api_key, allowed_origins, rate_limit)."""
     if replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {replicas}")
     scales_to_zero = bool(autoscaling) and autoscaling.get("min_replicas", 1) < 1
@@ -103,8 +103,7 @@ def build_application(engine_args: EngineArgs, replicas: int = 2, router: str | 
     if router is not None:
         from .routers import request_router_config
 
-        if (config := request_router_config(router, engine_args)) is not None:
-            options["request_router_config"] = config
+        options["request_router_config"] = request_router_config(router, engine_args)
     max_model_len = (context_length(ModelConfig.from_dir(path), engine_args.num_kv_blocks, engine_args.block_size)
                      if scales_to_zero else None)  # otherwise learned from a replica
     llm = LLMServer.options(**options).bind(replace(engine_args, model=str(path), num_threads=threads),

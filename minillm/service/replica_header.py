@@ -21,8 +21,8 @@ REPLICA_WAIT_S = 2.0  # a warm replica names itself in milliseconds; a cold star
 
 class IngressHeaders:
     """ASGI middleware at the ingress: `x-minillm-replica` names the replica(s) that served a response's requests
-    (none if it reached none, or none had named itself within `REPLICA_WAIT_S` of a stream's start), and `x-request-id` is left to Serve's proxy, which adds one to every response
-    itself (with the same id)."""
+    (none if it reached none, or none had named itself within `REPLICA_WAIT_S` of a stream's start), and
+    `x-request-id` is left to Serve's proxy, which adds one to every response itself (with the same id)."""
 
     def __init__(self, app):
         self.app = app

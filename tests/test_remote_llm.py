@@ -12,6 +12,7 @@ from ray.exceptions import ActorDiedError
 
 from minillm.sampling import RequestOutputKind, SamplingParams
 from minillm.service import remote_llm
+from minillm.service.deltas import Slim
 from minillm.service.remote_llm import RemoteLLM
 from minillm.service.replica_header import REPLICAS
 from minillm.serving import AsyncLLM
@@ -66,8 +67,9 @@ in Serve's router), "live" (also once the plan is used up) serves the request
             raise ActorDiedError()
         if kind == "queued":
             await asyncio.Event().wait()
+        slim = Slim()  # as `LLMServer.generate` sends its outputs
         async for out in self.llm.generate(request["prompt_token_ids"], request["params"], request["request_id"]):
-            yield out
+            yield slim(out)
             if kind == "dies":
                 raise ActorDiedError()
 

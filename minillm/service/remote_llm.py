@@ -30,6 +30,7 @@ from ..serving.api_server import REQUEST_USER
 from ..serving.async_llm import (AsyncLLM, EngineDeadError, EngineOverloaded, EngineUnavailable, RequestFailed,
                                  RequestStream)
 from ..serving.protocol import OpenAIError
+from .deltas import Widen
 from .replica_header import REPLICAS
 
 log = logging.getLogger("minillm.serving")
@@ -52,6 +53,7 @@ class RemoteCall:
     pump: asyncio.Task | None = None
     last: RequestOutput | None = None
     waiting: int = 0  # its sequences still counted in `RemoteLLM.num_waiting`
+    widen: Widen = field(default_factory=Widen)  # the replica's slimmed outputs, whole again
 
     def settle(self, replica_id: str | None) -> None:
         if not self.replica.done():
@@ -182,6 +184,7 @@ class RemoteLLM:
             if isinstance(item, str):  # the replica's id comes first
                 call.settle(item)
                 continue
+            item = call.widen(item)
             self._notify(item)
             self._started(call)
             call.last = item

@@ -26,6 +26,7 @@ from ..engine_args import EngineArgs
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
 from ..serving.async_llm import STEP_TIMEOUT_S, AsyncLLM
+from .deltas import Slim
 from .ray_cluster import listen_on_node_ip
 
 EXIT_AFTER_S = 5.0  # how long a replica whose engine failed waits for its streams to send their errors
@@ -44,13 +45,14 @@ class LLMServer:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                        user: str | None = None) -> AsyncIterator[str | RequestOutput]:
-        """This replica's id, then the request's outputs; a failed or stuck engine raises before the id. If the
-        caller cancels the stream (its client left), `AsyncLLM.generate` aborts the request and frees its KV
-        blocks. `user` is for the router only."""
+        """This replica's id, then the request's outputs (slimmed: `deltas.Slim`); a failed or stuck engine raises
+        before the id. If the caller cancels the stream (its client left), `AsyncLLM.generate` aborts the request
+        and frees its KV blocks. `user` is for the router only."""
         self.llm.check_accepting()
         yield self.replica_id
+        slim = Slim()
         async for out in self.llm.generate(prompt_token_ids, params, request_id):
-            yield out
+            yield slim(out)
 
     async def stats(self) -> dict:
         """The engine's stats (`LLMEngine.stats`), with who answers (replica id, process id) and the requests in

@@ -143,7 +143,9 @@ def test_metrics_answer_before_any_replica_has(tiny_llama):
     async def read(remote):
         return generate_latest(ServerMetrics(remote, "m").registry).decode()
 
-    metrics, _, _ = run(tiny_llama, [], read)
+    metrics, remote, _ = run(tiny_llama, [], read)
+    with pytest.raises(EngineUnavailable, match="shutting down"):  # what /health says of it, once stopped
+        remote.check_accepting()
     assert 'minillm:num_requests_waiting{model_name="m"} 0.0' in metrics
     assert 'minillm:kv_cache_usage_perc{model_name="m"} 0.0' in metrics
 

@@ -126,14 +126,16 @@ class RayService:
     """The service on Ray, started and stopped as one: `with RayService(EngineArgs(...), replicas=2) as svc:`.
 
     Without `ray_address`, a local Ray instance is started for it on 127.0.0.1 with this machine's cores;
-    `url` is the base URL (`.../v1` for clients). Stopping deletes the application and shuts Ray down, also
-    when starting failed half way. Other keywords go to `build_application`.
+    `url` is the base URL (`.../v1` for clients). Serve's proxy believes `X-Forwarded-For` only from
+    `forwarded_allow_ips` (as `serve --forwarded-allow-ips`; default: none). Stopping deletes the application
+    and shuts Ray down, also when starting failed half way. Other keywords go to `build_application`.
     """
 
     def __init__(self, engine_args: EngineArgs | None = None, *, ray_address: str | None = None,
-                 host: str = LOOPBACK, port: int = 0, **app_options):
+                 host: str = LOOPBACK, port: int = 0, forwarded_allow_ips: str | None = None, **app_options):
         self.engine_args = engine_args or EngineArgs()
         self.ray_address, self.host, self.port = ray_address, host, port
+        self.forwarded_allow_ips = forwarded_allow_ips
         self.app_options = app_options
         self.url: str | None = None
 
@@ -142,7 +144,7 @@ class RayService:
         try:
             start_ray(self.ray_address, available_cores())
             port = self.port or free_port(self.host)
-            start_serve(self.host, port)
+            start_serve(self.host, port, self.forwarded_allow_ips)
             serve.run(app, name=APP_NAME, route_prefix="/")
             self.url = f"http://{self.host}:{port}"
         except BaseException:
@@ -218,7 +220,8 @@ def serve_on_ray(args, autoscaling: dict | None, app_kw: dict) -> int:
     `autoscaling`: Serve's autoscaling fields (launch.py's flags); `app_kw` goes to `build_app`."""
     name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL)
     service = RayService(EngineArgs.from_cli_args(args), ray_address=args.ray_address, host=args.host,
-                         port=args.port, replicas=args.replicas, router=args.router,
+                         port=args.port, forwarded_allow_ips=args.forwarded_allow_ips,
+                         replicas=args.replicas, router=args.router,
                          autoscaling=autoscaling, model_name=name,
                          max_waiting_requests=args.max_waiting_requests, drain_seconds=args.drain_seconds,
                          step_timeout_s=args.step_timeout or None, **app_kw)

@@ -47,12 +47,20 @@ def keep_to_loopback() -> None:
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
 
-def start_serve(host: str, port: int) -> None:
-    """Serve's HTTP proxy on `host:port` (one proxy, on the head node), its gRPC proxy off, its logs quiet."""
+def start_serve(host: str, port: int, forwarded_allow_ips: str | None = None) -> None:
+    """Serve's HTTP proxy on `host:port` (one proxy, on the head node), its gRPC proxy off, its logs quiet.
+
+    The proxy is uvicorn with its defaults, which believe `X-Forwarded-For` from 127.0.0.1: any local client
+    could name its own address, and with it its rate-limit bucket. uvicorn reads the proxies it believes from
+    `FORWARDED_ALLOW_IPS`, and the proxy actor inherits its environment from Serve's controller, so the
+    controller is started with `forwarded_allow_ips` there (empty: none). Serve applies this when it starts
+    its controller, not to one already running on a joined cluster.
+    """
     from ray import serve
 
     serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port},
-                grpc_options={"grpc_servicer_functions": []}, logging_config={"log_level": QUIET})
+                grpc_options={"grpc_servicer_functions": []}, logging_config={"log_level": QUIET},
+                controller_options={"runtime_env": {"env_vars": {"FORWARDED_ALLOW_IPS": forwarded_allow_ips or ""}}})
 
 
 def listen_on_node_ip() -> None:

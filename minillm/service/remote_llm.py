@@ -126,13 +126,17 @@ class RemoteLLM:
     def stop_accepting(self) -> None:
         self._accepting = False
 
+    def check_accepting(self) -> None:
+        """EngineUnavailable while the server stops, or while no replica answers (unless one can be started)."""
+        if not self.accepting:
+            raise EngineUnavailable("no engine replica is answering; try again shortly" if self._accepting
+                                    else "the server is shutting down")
+
     # --- requests --------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
         """Send a request to a replica (the router picks it) and return its stream; checks raise here, at once."""
-        if not self.accepting:
-            raise EngineUnavailable("no engine replica is answering; try again shortly" if self._accepting
-                                    else "the server is shutting down")
+        self.check_accepting()
         self.check_room(params.n)
         if request_id in self._calls:
             raise ValueError(f"request id {request_id!r} is already in use")

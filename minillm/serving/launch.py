@@ -173,8 +173,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or *; default: none")
     parser.add_argument("--forwarded-allow-ips", default=None, metavar="IPS",
                         help="comma-separated addresses or networks (or *) of the proxies whose X-Forwarded-For "
-                             "names the client (its rate-limit bucket, the access log); default: none, every "
-                             "client is the address it connects from")
+                             "names the client (its rate-limit bucket, the access log), here or at Ray Serve's "
+                             "proxy; default: none, every client is the address it connects from")
     parser.add_argument("--rate-limit", type=float, default=None, metavar="RPS",
                         help="requests per second each client may send (keyed by API key, else address); "
                              "beyond it a 429 with Retry-After; default: no limit")
@@ -229,8 +229,6 @@ def serve(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     if args.replicas > 1 or args.ray_address is not None or autoscaling is not None:
-        if args.forwarded_allow_ips is not None:
-            raise ValueError("--forwarded-allow-ips applies to the one-engine server, not to Ray Serve's proxy")
         from ..service.ray_app import serve_on_ray
 
         return serve_on_ray(args, autoscaling, app_kw)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
 OBJECT_STORE_BYTES = 96 << 20  # outputs are small; Ray wants at least 75 MiB
@@ -79,3 +80,15 @@ def listen_on_node_ip() -> None:
         return add_port(server, address.replace("[::]", f"[{node_ip}]" if ":" in node_ip else node_ip))
 
     replica.add_port_to_grpc_server = add_port_on_node_ip
+
+
+def require_model_dir(path: str) -> None:
+    """FileNotFoundError naming this node unless the model directory `path` is here. On a cluster joined with
+    `--ray-address`, the ingress and every replica read the model from the path resolved where the service
+    was started, whichever node they run on."""
+    if not Path(path).is_dir():
+        import ray
+
+        raise FileNotFoundError(f"model directory {path} not found on node {ray.util.get_node_ip_address()}: "
+                                "every node of the Ray cluster needs the model at this path (copy it there, or "
+                                "use storage the nodes share)")

@@ -27,7 +27,7 @@ from ..outputs import RequestOutput
 from ..sampling import SamplingParams
 from ..serving.async_llm import STEP_TIMEOUT_S, AsyncLLM
 from .deltas import Slim
-from .ray_cluster import listen_on_node_ip
+from .ray_cluster import listen_on_node_ip, require_model_dir
 
 EXIT_AFTER_S = 5.0  # how long a replica whose engine failed waits for its streams to send their errors
 
@@ -38,6 +38,7 @@ class LLMServer:
 
     async def __init__(self, engine_args: EngineArgs, step_timeout_s: float | None = STEP_TIMEOUT_S):
         listen_on_node_ip()
+        require_model_dir(engine_args.model)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.llm = AsyncLLM(LLMEngine(engine_args), step_timeout_s=step_timeout_s)
         self.llm.failure_listeners.append(lambda error: asyncio.ensure_future(self._exit()))

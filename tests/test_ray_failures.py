@@ -1,7 +1,8 @@
 """Chapter 9's service on Ray Serve when replicas go away, on a tiny model: requests a killed replica held
 before any output reached their client are sent to the other replica and all succeed (counted in
-`request_retries_total`), and a replica removed by scaling down first lets its streams finish. One service
-serves the module (it takes seconds to start); the tests run in order."""
+`request_retries_total`), and a replica removed by scaling down first lets its streams finish. The service
+requires an API key, which reaches its ingress in the environment. One service serves the module (it takes
+seconds to start); the tests run in order."""
 
 import json
 import threading
@@ -18,6 +19,7 @@ from tiny_models import build_tiny_model
 ray_app = pytest.importorskip("minillm.service.ray_app", reason="ray[serve] is not installed")
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one Ray instance at a time on this machine
 BODY = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 300, "ignore_eos": True}
+KEY = "sk-failures"
 RECOVERY_S = 120  # a replica's restart: a new process imports torch and loads the model
 
 
@@ -29,14 +31,19 @@ def service(tmp_path_factory):
                              num_hidden_layers=6, max_position_embeddings=1024)
     args = EngineArgs(model=str(model), device="cpu", dtype="float32", num_kv_blocks=64, max_num_seqs=1,
                       num_threads=1)
-    with ray_app.RayService(args, replicas=2, router="round_robin", model_name="tiny") as svc:
+    with ray_app.RayService(args, replicas=2, router="round_robin", model_name="tiny", api_key=KEY) as svc:
         yield svc
 
 
 @pytest.fixture
 def http(service):
-    with httpx.Client(base_url=service.url, timeout=120) as c:
+    with httpx.Client(base_url=service.url, timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as c:
         yield c
+
+
+def test_the_api_key_reached_the_ingress(service, http):
+    assert httpx.get(service.url + "/v1/models", timeout=30).status_code == 401
+    assert http.get("/v1/models").status_code == 200
 
 
 def test_requests_a_killed_replica_held_are_retried_on_the_other(service, http):

@@ -1,16 +1,20 @@
-"""Chapter 9's service on Ray Serve when replicas go away, on a tiny model: requests a killed replica held
-before any output reached their client are sent to the other replica and all succeed (counted in
-`request_retries_total`), and a replica removed by scaling down first lets its streams finish. The service
+"""Chapter 9's service on Ray Serve when replicas go away, on a tiny model: requests held by a replica whose
+engine failed, or that was killed, before any output reached their client are sent to the other replica and
+all succeed (counted in `request_retries_total`); the failed replica leaves at once rather than attract
+requests it would fail; a replica removed by scaling down first lets its streams finish. The service
 requires an API key, which reaches its ingress in the environment. One service serves the module (it takes
 seconds to start); the tests run in order."""
 
+import functools
 import json
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import ray
 
 from minillm.engine_args import EngineArgs
 from serving_utils import scrape, sse_events, wait_for
@@ -20,19 +24,50 @@ ray_app = pytest.importorskip("minillm.service.ray_app", reason="ray[serve] is n
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one Ray instance at a time on this machine
 BODY = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 300, "ignore_eos": True}
 KEY = "sk-failures"
+POISON = [7] * 8  # a prompt starting so makes the first engine step that runs it raise, once in the whole service
 RECOVERY_S = 120  # a replica's restart: a new process imports torch and loads the model
+
+
+def poisoned_engines(marker: str):
+    """A setup hook for every Ray worker: the engine that first takes a `POISON` prompt (the one to create
+    `marker`) fails its next step, as a bug would."""
+    def hook():
+        from minillm.engine import LLMEngine
+
+        add_request, step = LLMEngine.add_request, LLMEngine.step
+
+        def poisoned_add_request(self, request_id, prompt, *args, **kw):
+            if isinstance(prompt, list) and prompt[:len(POISON)] == POISON and not os.path.exists(marker):
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+                self.poisoned = True
+            return add_request(self, request_id, prompt, *args, **kw)
+
+        def poisoned_step(self):
+            if getattr(self, "poisoned", False):
+                raise RuntimeError("a poisoned step")
+            return step(self)
+        LLMEngine.add_request, LLMEngine.step = poisoned_add_request, poisoned_step
+    return hook
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     """Two replicas in turn, one sequence running at a time on each (the others wait), one thread each (so that
-    a change of the replica count alone leaves the replicas' options as they are)."""
+    a change of the replica count alone leaves the replicas' options as they are); engines that a `POISON`
+    prompt fails."""
     model = build_tiny_model(tmp_path_factory.mktemp("ray-model"), hidden_size=256, intermediate_size=512,
                              num_hidden_layers=6, max_position_embeddings=1024)
     args = EngineArgs(model=str(model), device="cpu", dtype="float32", num_kv_blocks=64, max_num_seqs=1,
                       num_threads=1)
-    with ray_app.RayService(args, replicas=2, router="round_robin", model_name="tiny", api_key=KEY) as svc:
+    hook = poisoned_engines(str(tmp_path_factory.mktemp("poison") / "taken"))
+    svc = ray_app.RayService(args, replicas=2, router="round_robin", model_name="tiny", api_key=KEY)
+    with pytest.MonkeyPatch.context() as patch:  # the local Ray instance, started with the hook for its workers
+        patch.setattr(ray, "init", functools.partial(ray.init, runtime_env={"worker_process_setup_hook": hook}))
+        svc.start()
+    try:
         yield svc
+    finally:
+        svc.stop()
 
 
 @pytest.fixture
@@ -46,7 +81,21 @@ def test_the_api_key_reached_the_ingress(service, http):
     assert http.get("/v1/models").status_code == 200
 
 
+def test_requests_a_failed_engine_held_are_retried_and_its_replica_leaves(service, http):
+    poisoned = {**BODY, "prompt": POISON + [20, 21], "max_tokens": 50}
+    with ThreadPoolExecutor(4) as pool:  # two per replica: the poisoned one first, so its replica holds another
+        responses = list(pool.map(lambda _: http.post("/v1/completions", json=poisoned), range(4)))
+    assert [r.status_code for r in responses] == [200] * 4, [r.text[:200] for r in responses]
+    assert len({r.headers["x-minillm-replica"] for r in responses}) == 1  # all served by the healthy replica
+    assert scrape(http)["request_retries_total"] >= 1
+    wait_for(lambda: service.replica_states().get("RUNNING") == 1, 10, "the failed replica to leave")
+    short = {**BODY, "max_tokens": 4}
+    assert [http.post("/v1/completions", json=short).status_code for _ in range(4)] == [200] * 4
+    wait_for(lambda: len(service.replica_stats()) == 2, RECOVERY_S, "Serve to replace the replica")
+
+
 def test_requests_a_killed_replica_held_are_retried_on_the_other(service, http):
+    retries = scrape(http)["request_retries_total"]
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(http.post, "/v1/completions", json=BODY) for _ in range(4)]  # two per replica
         stats = wait_for(lambda: (s := service.replica_stats()) and sum(r["num_unfinished"] for r in s) == 4 and s,
@@ -57,7 +106,7 @@ def test_requests_a_killed_replica_held_are_retried_on_the_other(service, http):
     assert [r.status_code for r in responses] == [200] * 4, [r.text[:200] for r in responses]
     assert {r.json()["choices"][0]["finish_reason"] for r in responses} == {"length"}
     assert victim["replica_id"] not in {r.headers["x-minillm-replica"] for r in responses}
-    assert scrape(http)["request_retries_total"] >= 2
+    assert scrape(http)["request_retries_total"] >= retries + 2
     wait_for(lambda: len(service.replica_stats()) == 2, RECOVERY_S, "Serve to restart the replica")
 
 

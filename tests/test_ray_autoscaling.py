@@ -1,10 +1,12 @@
 """Chapter 9's service scaled to zero, on a tiny model: with `min_replicas` 0 an idle service keeps no replica,
 a streamed request that arrives then still gets `LLM.generate`'s greedy text (Serve starts a replica for it,
-and the request waits for it), and the service empties again once it is idle."""
+and the request waits for it, its response's headers sent meanwhile rather than no byte), and the service
+empties again once it is idle."""
 
+import json
 import time
 
-import openai
+import httpx
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from minillm.engine_args import EngineArgs
 from serving_utils import wait_for
 
 ray_app = pytest.importorskip("minillm.service.ray_app", reason="ray[serve] is not installed")
+from minillm.service import replica_header  # noqa: E402  (ray[serve] is there)
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray"),  # one Ray instance at a time on this machine
               # Serve compares the look-back with its deprecated metrics_interval_s (10 s); a scale to zero a
               # second after the last request is what this test wants
@@ -27,11 +30,13 @@ def test_an_idle_service_scales_to_zero_and_a_request_brings_a_replica_back(tiny
     args = EngineArgs(model=str(tiny_llama), device="cpu", dtype="float32", num_kv_blocks=32)
     with ray_app.RayService(args, replicas=1, autoscaling=IDLE_TO_ZERO, model_name="tiny") as service:
         wait_for(lambda: not service.replica_states(), START_S, "the idle service to scale to zero")
-        client = openai.OpenAI(base_url=f"{service.url}/v1", api_key="unused", timeout=START_S, max_retries=0)
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True,
+                "ignore_eos": True}
         start = time.monotonic()
-        stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})
-        text = "".join(chunk.choices[0].text for chunk in stream)
+        with httpx.stream("POST", f"{service.url}/v1/completions", json=body, timeout=START_S) as r:
+            headers_after = time.monotonic() - start
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
         waited = time.monotonic() - start
         assert service.replica_states().get("RUNNING") == 1
         wait_for(lambda: not service.replica_states(), START_S, "the service to scale to zero again")
@@ -39,3 +44,4 @@ def test_an_idle_service_scales_to_zero_and_a_request_brings_a_replica_back(tiny
         PROMPT, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
     assert text == want
     assert waited > 1  # it waited for a replica to start: a cold start, not a warm replica's milliseconds
+    assert headers_after < min(waited - 1, replica_header.REPLICA_WAIT_S + 3)  # the client was not left without a byte

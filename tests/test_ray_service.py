@@ -1,6 +1,7 @@
 """Chapter 9's service on Ray Serve, on a tiny model: two engine replicas behind chapter 8's app. The official
 `openai` client gets what `LLM.generate` computes; every response names its replica and round robin uses
-both; the gateway's rate limit answers 429; a client that leaves aborts its request on the replica; nothing
+both; the gateway's rate limit answers 429, and Serve's proxy does not let a local client name another address
+in `X-Forwarded-For` to escape it; a client that leaves aborts its request on the replica; nothing
 listens beyond loopback; a replica killed mid-stream ends its stream with an error event (never a hang), the
 service answers 503 while no replica is up and serves again once Serve has restarted them; stopping leaves
 no Ray process behind. One service serves the module (it takes seconds to start); the tests run in order."""
@@ -21,7 +22,7 @@ from openai.types.chat import ChatCompletionChunk
 from minillm import LLM, SamplingParams
 from minillm.engine_args import EngineArgs
 from minillm.service.gateway import RateLimit
-from serving_utils import sse_events, wait_for, wait_idle
+from serving_utils import wait_for, wait_idle
 from tiny_models import build_tiny_model
 
 ray_app = pytest.importorskip("minillm.service.ray_app", reason="ray[serve] is not installed")
@@ -139,8 +140,10 @@ def test_a_killed_replica_ends_its_stream_with_an_error_and_the_service_recovers
     with http.stream("POST", "/v1/completions", json=LONG) as r:
         assert r.status_code == 200
         victim = r.headers["x-minillm-replica"]
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # output reached the client: too late to retry
         assert service.kill_replica(victim)["replica_id"] == victim  # SIGKILL, as a crash: no goodbye to Serve
-        events = sse_events(r)  # bounded by the client's 30 s read timeout
+        events = [line[len("data: "):] for line in lines if line.startswith("data: ")]  # within the 30 s timeout
     assert time.monotonic() - start < 30
     error = json.loads(events[-2])["error"]
     assert events[-1] == "[DONE]" and error["type"] == "service_unavailable", events[-3:]
@@ -158,6 +161,15 @@ def test_a_killed_replica_ends_its_stream_with_an_error_and_the_service_recovers
     again = http.post("/v1/completions", json=short)
     assert again.status_code == 200 and again.headers["x-minillm-replica"] not in before
     wait_for(lambda: len(service.replica_stats()) == 2, RECOVERY_S, "both replicas back")
+
+
+def test_a_forwarded_address_does_not_make_another_client(service):
+    """Serve's proxy is uvicorn, which believes X-Forwarded-For from 127.0.0.1 by default; without
+    `forwarded_allow_ips` it believes no one, so claimed addresses share the sender's bucket (run last: it
+    empties 127.0.0.1's)."""
+    codes = [httpx.get(service.url + "/v1/models", headers={"X-Forwarded-For": f"10.0.0.{i}"}, timeout=30).status_code
+             for i in range(26)]
+    assert 429 in codes, codes
 
 
 def test_stopping_leaves_no_ray_process(service):

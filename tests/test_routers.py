@@ -1,5 +1,6 @@
 """Routing policies (no Ray): round robin cycles, least loaded, prefix affinity with its load guard, session
-affinity by consistent hashing; then the Ray Serve routers that wrap them, driven without a cluster."""
+affinity by consistent hashing with the same guard; then the Ray Serve routers that wrap them, driven without a
+cluster (loads from Serve's queue-length cache, or asked of the replicas through the public API)."""
 
 import asyncio
 import importlib.util
@@ -121,7 +122,7 @@ def test_session_sticks_and_moves_only_the_users_of_a_leaving_replica():
     four = ["r0", "r1", "r2", "r3"]
     users = [f"user-{i}" for i in range(400)]
     homes = {u: policy.rank(four, {}, RouteRequest(user=u))[0] for u in users}
-    assert all(policy.rank(four, {"r0": 9}, RouteRequest((1, 2), user=u))[0] == homes[u] for u in users)
+    assert all(policy.rank(four, {"r0": 4}, RouteRequest((1, 2), user=u))[0] == homes[u] for u in users)
     assert all(60 <= list(homes.values()).count(r) <= 140 for r in four)  # about a quarter each
     three = ["r0", "r1", "r3"]
     after = {u: policy.rank(three, {}, RouteRequest(user=u))[0] for u in users}
@@ -129,6 +130,16 @@ def test_session_sticks_and_moves_only_the_users_of_a_leaving_replica():
     moved_to = {u: policy.rank(four, {}, RouteRequest(user=u))[1] for u in users if homes[u] == "r2"}
     assert all(after[u] == moved_to[u] for u in moved_to)  # each to the next replica on its ring walk
     assert sorted(policy.rank(four, {}, RouteRequest(user="x"))) == four
+
+
+def test_one_user_cannot_pin_its_requests_to_one_replica():
+    """The prefix policy's load guard: past it, the user's requests go to the least loaded replica."""
+    policy, loads = SessionAffinity(), dict(IDLE)
+    for _ in range(300):
+        loads[route(policy, RouteRequest(user="alice"), loads)] += 1
+    assert max(loads.values()) <= 1.5 * min(loads.values()) + 1, loads  # not 300 on one: at most 1.5 x the least
+    home = policy.rank(REPLICAS, IDLE, RouteRequest(user="alice"))[0]
+    assert policy.rank(REPLICAS, {home: 4}, RouteRequest(user="alice"))[0] == home  # within the guard: sticks
 
 
 def test_session_without_a_user_goes_to_the_least_loaded():
@@ -152,21 +163,31 @@ def test_ray_routers_rank_and_learn_without_a_cluster():
     from ray.serve.request_router import PendingRequest, RequestRouter
 
     from minillm.engine_args import EngineArgs
-    from minillm.service.routers import ROUTERS, PrefixAffinityRouter, request_router_config
+    from minillm.service.routers import ROUTERS, LeastLoadedRouter, PrefixAffinityRouter, request_router_config
 
-    assert set(ROUTERS) == {"round_robin", "least_loaded", "prefix", "session"} and ROUTERS["least_loaded"] is None
-    assert request_router_config("least_loaded", EngineArgs()) is None
+    assert set(ROUTERS) == {"round_robin", "least_loaded", "prefix", "session"}
+    assert request_router_config("least_loaded", EngineArgs()).request_router_class == \
+        "minillm.service.routers.LeastLoadedRouter"  # the policy, not Serve's power of two choices
     config = request_router_config("prefix", EngineArgs(block_size=32, num_kv_blocks=300))
     assert config.request_router_kwargs == {"block_size": 32, "capacity": 300}  # the engine's blocks and pool
     with pytest.raises(ValueError, match="not one of"):
         request_router_config("random", EngineArgs())
     deployment = DeploymentID(name="engine", app_name="minillm")
     routers = {name: cls(deployment_id=deployment, handle_source=DeploymentHandleSource.UNKNOWN,
-                         use_replica_queue_len_cache=True) for name, cls in ROUTERS.items() if cls is not None}
+                         use_replica_queue_len_cache=True) for name, cls in ROUTERS.items()}
     for name, router in routers.items():
         assert isinstance(router, RequestRouter), name
         router.initialize_state(**({"block_size": 16} if name == "prefix" else {}))
-    replicas = [SimpleNamespace(replica_id=ReplicaID(f"r{i}", deployment), max_ongoing_requests=8) for i in range(3)]
+    asked = []
+
+    def queue_len(n: int):
+        async def get_queue_len(deadline_s: float) -> int:
+            asked.append(n)
+            return n
+        return get_queue_len
+
+    replicas = [SimpleNamespace(replica_id=ReplicaID(f"r{i}", deployment), max_ongoing_requests=8,
+                                get_queue_len=queue_len(n)) for i, n in enumerate((5, 2, 7))]
 
     def pending(req: RouteRequest) -> PendingRequest:
         meta = RequestMetadata(request_id="x", internal_request_id=str(random.random()))
@@ -179,11 +200,16 @@ def test_ray_routers_rank_and_learn_without_a_cluster():
         return [tier[0].replica_id.unique_id for tier in tiers]
 
     async def scenario() -> None:
+        assert await choose(routers["least_loaded"], RouteRequest()) == ["r1", "r0", "r2"]  # asked: 5, 2, 7
+        assert sorted(asked) == [2, 5, 7]
+        assert await choose(routers["least_loaded"], RouteRequest()) == ["r1", "r0", "r2"]
+        assert len(asked) == 3  # the second time from the cache the answers went into
         for router in routers.values():
             for r, n in zip(replicas, (3, 0, 1)):
                 router.replica_queue_len_cache.update(r.replica_id, n)
         assert await choose(routers["round_robin"], prompt(0, 0)) == ["r0", "r1", "r2"]
         assert await choose(routers["round_robin"], prompt(0, 0)) == ["r1", "r2", "r0"]
+        assert await choose(routers["least_loaded"], RouteRequest()) == ["r1", "r2", "r0"]
         prefix: PrefixAffinityRouter = routers["prefix"]
         assert (await choose(prefix, prompt(0, 0)))[0] == "r1"  # nothing cached anywhere: the least loaded
         prefix.on_request_routed(pending(prompt(0, 0)), replicas[2].replica_id, None)

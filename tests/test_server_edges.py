@@ -170,9 +170,3 @@ def test_serve_believes_forwarded_headers_only_when_told():
     assert default.proxy_headers is False
     named = uvicorn_config(None, "10.0.0.0/8,192.168.1.7", log_level="warning")
     assert named.proxy_headers is True and named.forwarded_allow_ips == "10.0.0.0/8,192.168.1.7"
-
-
-def test_serve_refuses_forwarded_allow_ips_on_ray_before_loading(capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["serve", "--model", "/nonexistent", "--forwarded-allow-ips", "10.0.0.1", "--replicas", "2"])
-    assert e.value.code == 2 and "--forwarded-allow-ips applies to the one-engine server" in capsys.readouterr().err

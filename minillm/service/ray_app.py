@@ -29,30 +29,36 @@ from ..engine_args import EngineArgs
 from ..threads import available_cores
 from ..weights import DEFAULT_MODEL, resolve_model
 from ..serving.api_server import build_app
-from .ray_cluster import LOOPBACK, QUIET, listen_on_node_ip, start_ray, start_serve
+from ..serving.async_llm import STEP_TIMEOUT_S
+from ..serving.launch import API_KEY_ENV
+from .ray_cluster import LOOPBACK, QUIET, listen_on_node_ip, require_model_dir, start_ray, start_serve
 from .replica_header import IngressHeaders
 from .remote_llm import RemoteLLM
 from .replica import LLMServer
 
 APP_NAME = "minillm"
 INGRESS_MAX_ONGOING_REQUESTS = 100_000  # every HTTP request passes the one ingress; the app's own 429 is the limit
+START_S = 600.0  # how long `RayService.start` waits for the application to run (every model load included)
 REDEPLOY_STOP_S = 120  # how long `RayService.redeploy` waits for the old replicas to stop (their drain included)
+DRAIN_S = 30.0  # how long a replica being removed (scaling down, redeploy, stop) lets its requests finish
 HEALTH_CHECK_PERIOD_S = 2.0  # how soon Serve notices a replica that stopped answering and starts another
 
 
 @serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0})
 @serve.ingress()
 class OpenAIIngress:
-    """Chapter 8's app (`build_app`) over the replicas, with `x-minillm-replica` on what they served."""
+    """Chapter 8's app (`build_app`) over the replicas, with `x-minillm-replica` on what they served. The API
+    key, if any, comes in `$MINILLM_API_KEY` (see `build_application`)."""
 
     def __init__(self, llm, model: str, model_name: str, max_waiting_requests: int | None, app_kw: dict,
                  max_model_len: int | None = None):
         listen_on_node_ip()
+        require_model_dir(model)
         self.llm = RemoteLLM(llm, model, max_waiting_requests, max_model_len)
         self.model_name, self.app_kw = model_name, app_kw
 
     def __serve_build_asgi_app__(self):
-        app = build_app(self.llm, self.model_name, **self.app_kw)
+        app = build_app(self.llm, self.model_name, api_key=os.environ.get(API_KEY_ENV) or None, **self.app_kw)
         app.add_middleware(IngressHeaders)
         return app
 
@@ -73,12 +79,15 @@ def replica_resources(engine_args: EngineArgs, max_replicas: int) -> tuple[int, 
 
 def build_application(engine_args: EngineArgs, replicas: int = 2, router: str | None = None,
                       autoscaling: dict | None = None, model_name: str | None = None,
-                      max_waiting_requests: int | None = 256, drain_seconds: float = 0.0,
-                      **app_kw) -> serve.Application:
+                      max_waiting_requests: int | None = 256, drain_seconds: float = DRAIN_S,
+                      step_timeout_s: float | None = STEP_TIMEOUT_S, **app_kw) -> serve.Application:
     """The Serve application: `replicas` engines (or `autoscaling`, Serve's AutoscalingConfig fields, starting
     at `replicas`; `min_replicas` 0 lets Serve remove every replica of an idle service), routed by `router`
-    (a name in `routers.ROUTERS`; None: Serve's default), behind the app.
-    `app_kw` goes to `build_app` (limits, api_key, allowed_origins, rate_limit)."""
+    (a name in `routers.ROUTERS`; None: Serve's default), behind the app; a replica whose step runs past
+    `step_timeout_s` fails its health check. A replica that Serve removes (scaling down, a redeploy, a stop)
+    first lets its requests in flight run for up to `drain_seconds` (Serve's graceful shutdown). `app_kw` goes
+    to `build_app` (limits, api_key, allowed_origins, rate_limit); the API key goes to the ingress in its
+    environment, not among the deployment's arguments, which Serve shows (`serve status`, the dashboard)."""
     if replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {replicas}")
     scales_to_zero = bool(autoscaling) and autoscaling.get("min_replicas", 1) < 1
@@ -99,16 +108,38 @@ def build_application(engine_args: EngineArgs, replicas: int = 2, router: str | 
     if router is not None:
         from .routers import request_router_config
 
-        if (config := request_router_config(router, engine_args)) is not None:
-            options["request_router_config"] = config
+        options["request_router_config"] = request_router_config(router, engine_args)
     max_model_len = (context_length(ModelConfig.from_dir(path), engine_args.num_kv_blocks, engine_args.block_size)
                      if scales_to_zero else None)  # otherwise learned from a replica
-    llm = LLMServer.options(**options).bind(replace(engine_args, model=str(path), num_threads=threads))
+    llm = LLMServer.options(**options).bind(replace(engine_args, model=str(path), num_threads=threads),
+                                            step_timeout_s)
     name = model_name or (path.name if engine_args.model else DEFAULT_MODEL)
+    key = {"runtime_env": {"env_vars": {API_KEY_ENV: app_kw.pop("api_key", None) or ""}}}
     return OpenAIIngress.options(max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+                                 ray_actor_options={"num_cpus": 0, **key},
                                  graceful_shutdown_timeout_s=drain_seconds, graceful_shutdown_wait_loop_s=0.1,
                                  logging_config={"log_level": QUIET}).bind(
         llm, str(path), name, max_waiting_requests, app_kw, max_model_len)
+
+
+def deploy(app: serve.Application, timeout_s: float) -> None:
+    """Deploy (or update) the application and wait until it runs; RuntimeError with Serve's reason if it fails
+    to deploy (a replica's constructor kept failing), TimeoutError past `timeout_s`."""
+    serve.run_many([serve.RunTarget(app, name=APP_NAME, route_prefix="/")],
+                   wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = serve.status().applications.get(APP_NAME)
+        state = str(getattr(status.status, "value", status.status)) if status else "NOT_STARTED"
+        if state == "RUNNING":
+            return
+        reasons = "; ".join(m for m in [status.message if status else ""]
+                            + [d.message for d in (status.deployments.values() if status else ())] if m)
+        if state == "DEPLOY_FAILED":
+            raise RuntimeError(f"the service failed to start: {reasons}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the service did not start within {timeout_s:g} s ({state}): {reasons}")
+        time.sleep(0.5)
 
 
 def free_port(host: str) -> int:
@@ -122,14 +153,20 @@ class RayService:
     """The service on Ray, started and stopped as one: `with RayService(EngineArgs(...), replicas=2) as svc:`.
 
     Without `ray_address`, a local Ray instance is started for it on 127.0.0.1 with this machine's cores;
-    `url` is the base URL (`.../v1` for clients). Stopping deletes the application and shuts Ray down, also
-    when starting failed half way. Other keywords go to `build_application`.
+    `url` is the base URL (`.../v1` for clients). Serve's proxy believes `X-Forwarded-For` only from
+    `forwarded_allow_ips` (as `serve --forwarded-allow-ips`; default: none). Starting fails with Serve's
+    reason if the application fails to deploy (a replica that cannot load the model, say), or after
+    `start_timeout_s`. Stopping deletes the application and shuts Ray down, also when starting failed half
+    way. Other keywords go to `build_application`.
     """
 
     def __init__(self, engine_args: EngineArgs | None = None, *, ray_address: str | None = None,
-                 host: str = LOOPBACK, port: int = 0, **app_options):
+                 host: str = LOOPBACK, port: int = 0, forwarded_allow_ips: str | None = None,
+                 start_timeout_s: float = START_S, **app_options):
         self.engine_args = engine_args or EngineArgs()
+        self.start_timeout_s = start_timeout_s
         self.ray_address, self.host, self.port = ray_address, host, port
+        self.forwarded_allow_ips = forwarded_allow_ips
         self.app_options = app_options
         self.url: str | None = None
 
@@ -138,9 +175,9 @@ class RayService:
         try:
             start_ray(self.ray_address, available_cores())
             port = self.port or free_port(self.host)
-            start_serve(self.host, port)
-            serve.run(app, name=APP_NAME, route_prefix="/")
-            self.url = f"http://{self.host}:{port}"
+            start_serve(self.host, port, self.forwarded_allow_ips)
+            self.url = f"http://{self.host}:{port}"  # from here on, stop() deletes the application
+            deploy(app, self.start_timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -154,7 +191,7 @@ class RayService:
         self._check_running()
         options = {**self.app_options, **app_options}
         app = build_application(self.engine_args, **options)  # a bad option fails before anything changes
-        serve.run(app, name=APP_NAME, route_prefix="/")
+        deploy(app, self.start_timeout_s)
         self.app_options = options
         deadline = time.monotonic() + REDEPLOY_STOP_S
         while set(self.replica_states()) - {"RUNNING"}:
@@ -214,13 +251,18 @@ def serve_on_ray(args, autoscaling: dict | None, app_kw: dict) -> int:
     `autoscaling`: Serve's autoscaling fields (launch.py's flags); `app_kw` goes to `build_app`."""
     name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL)
     service = RayService(EngineArgs.from_cli_args(args), ray_address=args.ray_address, host=args.host,
-                         port=args.port, replicas=args.replicas, router=args.router,
+                         port=args.port, forwarded_allow_ips=args.forwarded_allow_ips,
+                         replicas=args.replicas, router=args.router,
                          autoscaling=autoscaling, model_name=name,
-                         max_waiting_requests=args.max_waiting_requests, drain_seconds=args.drain_seconds, **app_kw)
+                         max_waiting_requests=args.max_waiting_requests, drain_seconds=args.drain_seconds,
+                         step_timeout_s=args.step_timeout or None, **app_kw)
     try:
         service.start()
     except KeyboardInterrupt:  # Ctrl-C while the replicas load: start() has already stopped what it began
         return 0
+    except (RuntimeError, TimeoutError) as e:  # the application did not start: Serve's reason, not a traceback
+        print(f"minillm: {e}", file=sys.stderr, flush=True)
+        return 1
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets a SIGTERM handler of its own
         signal.signal(sig, lambda *_: stopping.set())

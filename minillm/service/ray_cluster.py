@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
 OBJECT_STORE_BYTES = 96 << 20  # outputs are small; Ray wants at least 75 MiB
@@ -47,12 +48,20 @@ def keep_to_loopback() -> None:
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
 
-def start_serve(host: str, port: int) -> None:
-    """Serve's HTTP proxy on `host:port` (one proxy, on the head node), its gRPC proxy off, its logs quiet."""
+def start_serve(host: str, port: int, forwarded_allow_ips: str | None = None) -> None:
+    """Serve's HTTP proxy on `host:port` (one proxy, on the head node), its gRPC proxy off, its logs quiet.
+
+    The proxy is uvicorn with its defaults, which believe `X-Forwarded-For` from 127.0.0.1: any local client
+    could name its own address, and with it its rate-limit bucket. uvicorn reads the proxies it believes from
+    `FORWARDED_ALLOW_IPS`, and the proxy actor inherits its environment from Serve's controller, so the
+    controller is started with `forwarded_allow_ips` there (empty: none). Serve applies this when it starts
+    its controller, not to one already running on a joined cluster.
+    """
     from ray import serve
 
     serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port},
-                grpc_options={"grpc_servicer_functions": []}, logging_config={"log_level": QUIET})
+                grpc_options={"grpc_servicer_functions": []}, logging_config={"log_level": QUIET},
+                controller_options={"runtime_env": {"env_vars": {"FORWARDED_ALLOW_IPS": forwarded_allow_ips or ""}}})
 
 
 def listen_on_node_ip() -> None:
@@ -71,3 +80,15 @@ def listen_on_node_ip() -> None:
         return add_port(server, address.replace("[::]", f"[{node_ip}]" if ":" in node_ip else node_ip))
 
     replica.add_port_to_grpc_server = add_port_on_node_ip
+
+
+def require_model_dir(path: str) -> None:
+    """FileNotFoundError naming this node unless the model directory `path` is here. On a cluster joined with
+    `--ray-address`, the ingress and every replica read the model from the path resolved where the service
+    was started, whichever node they run on."""
+    if not Path(path).is_dir():
+        import ray
+
+        raise FileNotFoundError(f"model directory {path} not found on node {ray.util.get_node_ip_address()}: "
+                                "every node of the Ray cluster needs the model at this path (copy it there, or "
+                                "use storage the nodes share)")

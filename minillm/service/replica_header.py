@@ -1,10 +1,11 @@
 """Chapter 9 — which replica served a response: the `x-minillm-replica` header, added at the ingress.
 
 A response may come from any replica, and a client (or a benchmark of routers) wants to know which. Each
-engine call made while one HTTP request is handled puts a future of its replica's id in `REPLICAS`; the
-replica names itself first thing on its stream, so a streamed response, which starts before its first
-token, waits only for that (which is a whole cold start when Serve must first start a replica). Whatever else
-the app sends meanwhile, such as a stream's keep-alive ping, goes out after the response's start.
+engine call made while one HTTP request is handled puts itself in `REPLICAS`, with a future of its replica's
+id; the replica names itself first thing on its stream, so a streamed response, which starts before its
+first token, waits only for that, and for at most `REPLICA_WAIT_S`: during a cold start (Serve starting a
+replica from zero) the stream's headers and keep-alive pings go out without the header rather than leave
+the client without a byte. Whatever else the app sends meanwhile goes out after the response's start.
 """
 
 from __future__ import annotations
@@ -12,15 +13,16 @@ from __future__ import annotations
 import asyncio
 from contextvars import ContextVar
 
-# Futures of the replica ids of the engine calls made while one HTTP request is handled (None: no replica
-# answered before the call failed). Set by `IngressHeaders`, filled by `RemoteLLM.add_request`.
-REPLICAS: ContextVar[list[asyncio.Future] | None] = ContextVar("minillm_replicas", default=None)
+# The engine calls made while one HTTP request is handled (`remote_llm.RemoteCall`: its `replica` is a future
+# of the serving replica's id, None if none answered). Set by `IngressHeaders`, filled by `RemoteLLM.add_request`.
+REPLICAS: ContextVar[list | None] = ContextVar("minillm_replicas", default=None)
+REPLICA_WAIT_S = 2.0  # a warm replica names itself in milliseconds; a cold start takes seconds to minutes
 
 
 class IngressHeaders:
     """ASGI middleware at the ingress: `x-minillm-replica` names the replica(s) that served a response's requests
-    (none if it reached none), and `x-request-id` is left to Serve's proxy, which adds one to every response
-    itself (with the same id)."""
+    (none if it reached none, or none had named itself within `REPLICA_WAIT_S` of a stream's start), and
+    `x-request-id` is left to Serve's proxy, which adds one to every response itself (with the same id)."""
 
     def __init__(self, app):
         self.app = app
@@ -28,15 +30,17 @@ class IngressHeaders:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        replicas: list[asyncio.Future] = []
-        token = REPLICAS.set(replicas)
+        calls: list = []
+        token = REPLICAS.set(calls)
         in_order = asyncio.Lock()  # a message sent while the start waits for its replica goes after it
 
         async def send_with_replica(message):
             async with in_order:
                 if message["type"] == "http.response.start":
                     headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
-                    ids = [r for r in await asyncio.gather(*replicas) if r is not None]
+                    if calls:
+                        await asyncio.wait([c.replica for c in calls], timeout=REPLICA_WAIT_S)
+                    ids = [c.replica.result() for c in calls if c.replica.done() and c.replica.result() is not None]
                     if ids:
                         headers.append((b"x-minillm-replica", ",".join(dict.fromkeys(ids)).encode("latin-1")))
                     message = {**message, "headers": headers}

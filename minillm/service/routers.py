@@ -4,19 +4,25 @@ Serve calls `choose_replicas` with the replicas it may use and the pending reque
 (those the ingress passes to a replica) hold `prompt_token_ids` and `user`. A router returns tiers of
 replicas, best first; Serve sends the request to the least-loaded replica of the first tier that has room
 and moves on to the next tier when all of it is full. So each router returns one tier per replica, in its
-policy's order. Loads are Serve's own counts of requests in flight per replica. `ROUTERS` maps the names
-of `serve --router` to a class for `RequestRouterConfig(request_router_class=...)`; None keeps Serve's
-default, power of two choices (two replicas at random, the less loaded wins). `request_router_config` builds
-that config with what the policy must know of the engine (its block size and KV pool).
+policy's order. Loads are Serve's own counts of requests in flight per replica, read through the request
+router's public API (its queue-length cache, and a replica's `get_queue_len` where the cache has no fresh
+count). `ROUTERS` maps the names of `serve --router` to a class for
+`RequestRouterConfig(request_router_class=...)`; without `--router`, Serve's default routes: power of two
+choices (two replicas at random, the less loaded wins). `request_router_config` builds that config with what
+the policy must know of the engine (its block size and KV pool).
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from ..engine_args import EngineArgs
-from .routing_policies import PrefixAffinity, RoundRobin, RouteRequest, RoutingPolicy, SessionAffinity
+from .routing_policies import LeastLoaded, PrefixAffinity, RoundRobin, RouteRequest, RoutingPolicy, SessionAffinity
+
+PROBE_S = 1.0  # how long a replica may take to tell its queue length; past it, its load counts as unknown (0)
 
 
 def route_request(pending_request: PendingRequest | None) -> RouteRequest:
@@ -39,11 +45,17 @@ class PolicyRouter(RequestRouter):
         self.policy = self.policy_class(**kwargs)
 
     async def loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
-        """Requests in flight per replica: Serve's cached counts, asking the replicas it has no fresh count for."""
+        """Requests in flight per replica: Serve's cached counts, asking the replicas it has no fresh count for
+        (their answers go into the cache, as Serve's own probes do)."""
         cache = self.replica_queue_len_cache
         loads = {r.replica_id.unique_id: n for r in replicas if (n := cache.get(r.replica_id)) is not None}
         unknown = [r for r in replicas if r.replica_id.unique_id not in loads]
-        loads.update((r.replica_id.unique_id, n) for r, n in await self._probe_queue_lens(unknown, 0) if n is not None)
+        answers = await asyncio.gather(*(asyncio.wait_for(r.get_queue_len(deadline_s=PROBE_S), PROBE_S)
+                                         for r in unknown), return_exceptions=True)
+        for r, n in zip(unknown, answers):
+            if isinstance(n, int):  # not an error or a timeout (a dying replica)
+                self.on_new_queue_len_info(r.replica_id, n)
+                loads[r.replica_id.unique_id] = n
         return loads
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -66,6 +78,12 @@ class RoundRobinRouter(PolicyRouter):
     policy_class = RoundRobin
 
 
+class LeastLoadedRouter(PolicyRouter):
+    """The replica with the fewest requests in flight, ties in turn: every replica compared, not two at random."""
+
+    policy_class = LeastLoaded
+
+
 class PrefixAffinityRouter(PolicyRouter):
     """To the replica holding the longest prefix of the prompt, unless it is overloaded (kwargs: `PrefixAffinity`'s)."""
 
@@ -79,23 +97,23 @@ class PrefixAffinityRouter(PolicyRouter):
 
 
 class SessionAffinityRouter(PolicyRouter):
-    """A user's requests to one replica by consistent hashing; requests without a user to the least loaded."""
+    """A user's requests to one replica by consistent hashing, unless it is overloaded; requests without a user to
+    the least loaded (kwargs: `SessionAffinity`'s)."""
 
     policy_class = SessionAffinity
 
 
-ROUTERS: dict[str, type[RequestRouter] | None] = {
+ROUTERS: dict[str, type[PolicyRouter]] = {
     "round_robin": RoundRobinRouter,
-    "least_loaded": None,  # Serve's default: power of two choices
+    "least_loaded": LeastLoadedRouter,
     "prefix": PrefixAffinityRouter,
     "session": SessionAffinityRouter,
 }
 
 
-def request_router_config(name: str, engine_args: EngineArgs) -> RequestRouterConfig | None:
-    """Serve's config for router `name` of `ROUTERS` over replicas of this engine; None for Serve's default."""
+def request_router_config(name: str, engine_args: EngineArgs) -> RequestRouterConfig:
+    """Serve's config for router `name` of `ROUTERS` over replicas of this engine."""
     if name not in ROUTERS:
         raise ValueError(f"router {name!r} is not one of {', '.join(ROUTERS)}")
     cls = ROUTERS[name]
-    return None if cls is None else RequestRouterConfig(request_router_class=cls,
-                                                        request_router_kwargs=cls.engine_kwargs(engine_args))
+    return RequestRouterConfig(request_router_class=cls, request_router_kwargs=cls.engine_kwargs(engine_args))

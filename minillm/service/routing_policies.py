@@ -5,6 +5,7 @@ unit-tested and graded without a cluster; `routers.py` wraps each in a Ray Serve
 prefix policy predicts each replica's prefix cache the way SGLang's router does (an approximate, bounded
 record of what it was sent) and, like SGLang and Ray's prefix-cache affinity router, gives up the cache
 hit when the replica it points at is overloaded: prefix-only routing piles a popular prefix on one replica.
+The session policy keeps the same guard, so that one user cannot pin hundreds of requests to one replica.
 """
 
 from __future__ import annotations
@@ -64,6 +65,20 @@ class LeastLoaded(RoutingPolicy):
         return sorted(self.ties.rank(replicas, loads, request), key=lambda r: loads.get(r, 0))
 
 
+class LoadGuard:
+    """Where an affinity policy gives way to load: a replica with more than `balance_abs_threshold` requests
+    more than the least-loaded replica, and more than `balance_rel_threshold` times as many (SGLang's two
+    thresholds), is overloaded."""
+
+    balance_abs_threshold: int
+    balance_rel_threshold: float
+
+    def overloaded(self, replica: str, loads: Mapping[str, int], replicas: Sequence[str]) -> bool:
+        """Whether the replica's queue exceeds the shortest by more than both thresholds."""
+        load, least = loads.get(replica, 0), min(loads.get(r, 0) for r in replicas)
+        return load - least > self.balance_abs_threshold and load > self.balance_rel_threshold * least
+
+
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
     """The chained hash of each full block of `token_ids`, exactly as the engine's prefix cache keys its blocks."""
     hashes, prev = [], None
@@ -73,15 +88,14 @@ def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes
     return hashes
 
 
-class PrefixAffinity(RoutingPolicy):
+class PrefixAffinity(RoutingPolicy, LoadGuard):
     """Send a prompt to the replica most likely to hold its prefix in cache, unless that replica is overloaded.
 
     Per replica, a record of the block hashes it was sent: least recently sent dropped first past
     `capacity` blocks, the replica's KV pool size being the natural choice. A prompt matches a replica by the
     number of its leading blocks in that record. The replica with the longest match wins (ties: the least
     loaded) if the match covers at least `match_threshold` of the prompt's full blocks and the replica is not
-    overloaded: more than `balance_abs_threshold` requests and more than `balance_rel_threshold` times as many
-    as the least-loaded replica (SGLang's two thresholds). Otherwise the least-loaded replica wins (ties: the
+    overloaded (`LoadGuard`). Otherwise the least-loaded replica wins (ties: the
     one with the smallest record, so new prefixes spread). The rest follow in least-loaded order.
     """
 
@@ -97,11 +111,6 @@ class PrefixAffinity(RoutingPolicy):
         """How many of the leading `hashes` the replica's record holds, up to the first it lacks."""
         record = self.records.get(replica, {})
         return next((i for i, h in enumerate(hashes) if h not in record), len(hashes))
-
-    def overloaded(self, replica: str, loads: Mapping[str, int], replicas: Sequence[str]) -> bool:
-        """Whether the replica's queue exceeds the shortest by more than both thresholds."""
-        load, least = loads.get(replica, 0), min(loads.get(r, 0) for r in replicas)
-        return load - least > self.balance_abs_threshold and load > self.balance_rel_threshold * least
 
     def rank(self, replicas: Sequence[str], loads: Mapping[str, int], request: RouteRequest) -> list[str]:
         by_load = sorted(replicas, key=lambda r: (loads.get(r, 0), len(self.records.get(r, ()))))
@@ -134,18 +143,20 @@ def _ring_point(key: str) -> int:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
 
 
-class SessionAffinity(RoutingPolicy):
-    """A user's requests go to one replica, found by consistent hashing; requests without a user go to the least loaded.
+class SessionAffinity(RoutingPolicy, LoadGuard):
+    """A user's requests go to one replica, found by consistent hashing; requests without a user, and a user's
+    requests while that replica is overloaded (`LoadGuard`, as for prefixes), go to the least loaded.
 
     Each replica owns `virtual_nodes` points on a ring; a user belongs to the first point at or after the
     user's own. The ranking walks on round the ring, so when a replica leaves, only its users move (each to
     the replica its point led to next), and a full replica's users overflow to the same next replica.
     """
 
-    def __init__(self, virtual_nodes: int = 64):
+    def __init__(self, virtual_nodes: int = 64, balance_abs_threshold: int = 4, balance_rel_threshold: float = 1.5):
         if virtual_nodes < 1:
             raise ValueError(f"virtual_nodes ({virtual_nodes}) must be positive")
         self.virtual_nodes = virtual_nodes
+        self.balance_abs_threshold, self.balance_rel_threshold = balance_abs_threshold, balance_rel_threshold
         self.fallback = LeastLoaded()
         self._rings: dict[tuple[str, ...], tuple[list[int], list[str]]] = {}
 
@@ -162,5 +173,7 @@ class SessionAffinity(RoutingPolicy):
             return self.fallback.rank(replicas, loads, request)
         points, owners = self.ring(replicas)
         start = bisect.bisect_left(points, _ring_point(request.user))
-        walk = (owners[(start + i) % len(owners)] for i in range(len(owners)))
-        return list(dict.fromkeys(walk))
+        walk = list(dict.fromkeys(owners[(start + i) % len(owners)] for i in range(len(owners))))
+        if self.overloaded(walk[0], loads, replicas):
+            return self.fallback.rank(replicas, loads, request)
+        return walk

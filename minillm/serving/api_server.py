@@ -202,10 +202,11 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
 
     @app.get("/health")
     async def health():
-        if llm.accepting:
-            return Response(status_code=200)
-        why = "the server is shutting down" if llm.error is None else "the engine failed"
-        return error_response(OpenAIError(why, status=503, type="service_unavailable", code="unavailable"))
+        try:
+            llm.check_accepting()
+        except (EngineDeadError, EngineUnavailable) as e:  # failed, stuck, stopping, or (Ray) no replica up
+            return error_response(OpenAIError(str(e), status=503, type="service_unavailable", code="unavailable"))
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def prometheus_metrics():

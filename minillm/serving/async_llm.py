@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
@@ -22,6 +23,7 @@ from ..outputs import CompletionOutput, RequestOutput
 from ..sampling import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("minillm.serving")
+STEP_TIMEOUT_S = 60.0  # a step running longer than this is taken for hung (a CPU step of the default model: ms to s)
 
 
 class EngineOverloaded(RuntimeError):
@@ -108,13 +110,20 @@ class AsyncLLM:
     What a server uses, and all it uses (a remote replica implements the same):
     requests: `add_request`, `generate`, `abort`, `abort_nowait`, `forget`, `check_room`, `max_waiting_requests`;
     text: `tokenizer`, `encode`, `apply_chat_template`, `validate`, `token_text`;
-    facts: `max_model_len`, `vocab_size`; state: `stats()`, `accepting`, `error`, `listeners`, `failure_listeners`;
-    lifecycle: `start`, `stop`, `stop_accepting`, `abort_all`, `num_unfinished`, `open_streams`.
+    facts: `max_model_len`, `vocab_size`; state: `stats()`, `accepting`, `check_accepting`, `error`, `listeners`,
+    `failure_listeners`; lifecycle: `start`, `stop`, `stop_accepting`, `abort_all`, `num_unfinished`, `open_streams`.
+
+    `step_timeout_s`: a step that has run this long is taken for hung (a step that raises stops the engine; one
+    that never returns would not): new requests are refused and `/health` answers 503 until it returns.
     """
 
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None):
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
+                 step_timeout_s: float | None = STEP_TIMEOUT_S):
+        if step_timeout_s is not None and step_timeout_s <= 0:
+            raise ValueError(f"step_timeout_s must be positive, got {step_timeout_s}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self.step_timeout_s = step_timeout_s
         self.listeners: list[Callable[[list[RequestOutput]], None]] = []  # called on the event loop per step
         # called on the event loop once a step has failed and every reader has been told
         self.failure_listeners: list[Callable[[BaseException], None]] = []
@@ -125,6 +134,7 @@ class AsyncLLM:
         self._wake = threading.Event()
         self._running = self._accepting = False
         self._thread: threading.Thread | None = None
+        self._step_started: float | None = None  # time.monotonic() when the step in progress began
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
@@ -146,7 +156,26 @@ class AsyncLLM:
 
     @property
     def accepting(self) -> bool:
-        return self._running and self._accepting and self.error is None
+        return self._running and self._accepting and self.error is None and self.stalled_for() is None
+
+    def stalled_for(self) -> float | None:
+        """Seconds the step in progress has run, if that is past `step_timeout_s` (a hung step); else None."""
+        started = self._step_started
+        if started is None or self.step_timeout_s is None:
+            return None
+        running = time.monotonic() - started
+        return running if running > self.step_timeout_s else None
+
+    def check_accepting(self) -> None:
+        """Raise what a new request would meet now: EngineDeadError after a failed step, EngineUnavailable while
+        the server stops or a step hangs."""
+        if self.error is not None:
+            raise EngineDeadError()
+        if (stalled := self.stalled_for()) is not None:
+            raise EngineUnavailable(f"the engine is stuck: its current step has run for {stalled:.0f} s "
+                                    f"(limit {self.step_timeout_s:g} s)")
+        if not self.accepting:
+            raise EngineUnavailable("the server is shutting down")
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -161,10 +190,7 @@ class AsyncLLM:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
         """Queue a request and return its stream; a bad prompt or parameter raises ValueError here, at once."""
-        if self.error is not None:
-            raise EngineDeadError()
-        if not self.accepting:
-            raise EngineUnavailable("the server is shutting down")
+        self.check_accepting()
         self.check_room(params.n)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -260,6 +286,7 @@ class AsyncLLM:
                 self._wake.wait()
                 self._wake.clear()
                 continue
+            self._step_started = time.monotonic()
             try:
                 outputs = self.engine.step()
             except BaseException as e:  # a bug, not bad input: report it to every reader and stop
@@ -267,6 +294,8 @@ class AsyncLLM:
                 self.error = e
                 self._loop.call_soon_threadsafe(self._fail_all, e)
                 return
+            finally:
+                self._step_started = None
             if outputs:
                 self._loop.call_soon_threadsafe(self._dispatch, outputs)
 

@@ -23,7 +23,7 @@ import uvicorn
 from ..engine_args import EngineArgs
 from ..weights import DEFAULT_MODEL
 from .api_server import BODY_TIMEOUT_S, build_app
-from .async_llm import AsyncLLM
+from .async_llm import STEP_TIMEOUT_S, AsyncLLM
 from ..service.gateway import AUTH_FAILURE_LIMIT, RateLimit
 from .limits import ServerLimits
 from .middleware import api_keys, bind_hosts, host_patterns
@@ -169,7 +169,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="sequences allowed to wait; beyond this a request gets 429 with Retry-After")
     parser.add_argument("--drain-seconds", type=float, default=5.0,
-                        help="on SIGINT/SIGTERM, how long requests in flight may run before they are aborted")
+                        help="on SIGINT/SIGTERM, how long requests in flight may run before they are aborted; "
+                             "on Ray Serve also when a replica is removed (scaling down, a stop)")
+    parser.add_argument("--step-timeout", type=float, default=STEP_TIMEOUT_S, metavar="SECONDS",
+                        help="an engine step running this long is taken for hung: /health answers 503 and new "
+                             "requests are refused (on Ray the replica is restarted) until it returns; 0: never "
+                             f"(default: {STEP_TIMEOUT_S:g})")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
                         help="require `Authorization: Bearer <key>` on every route but /health, /metrics and "
@@ -189,8 +194,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or *; default: none")
     parser.add_argument("--forwarded-allow-ips", default=None, metavar="IPS",
                         help="comma-separated addresses or networks (or *) of the proxies whose X-Forwarded-For "
-                             "names the client (its rate-limit bucket, the access log); default: none, every "
-                             "client is the address it connects from")
+                             "names the client (its rate-limit bucket, the access log), here or at Ray Serve's "
+                             "proxy; default: none, every client is the address it connects from")
     parser.add_argument("--rate-limit", type=float, default=None, metavar="RPS",
                         help="requests per second each client may send (its address, or its API key when "
                              "several are given); "
@@ -279,8 +284,6 @@ def serve(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     if args.replicas > 1 or args.ray_address is not None or autoscaling is not None:
-        if args.forwarded_allow_ips is not None:
-            raise ValueError("--forwarded-allow-ips applies to the one-engine server, not to Ray Serve's proxy")
         from ..service.ray_app import serve_on_ray
 
         return serve_on_ray(args, autoscaling, app_kw)
@@ -288,7 +291,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--router chooses among replicas: give --replicas N with N > 1")
     engine = LLMEngine(EngineArgs.from_cli_args(args))
     name = args.served_model_name or (engine.path.name if args.model else DEFAULT_MODEL)
-    llm = AsyncLLM(engine, max_waiting_requests=args.max_waiting_requests)
+    llm = AsyncLLM(engine, max_waiting_requests=args.max_waiting_requests, step_timeout_s=args.step_timeout or None)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
 

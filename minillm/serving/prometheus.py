@@ -77,7 +77,7 @@ class ServerMetrics:
 
 
 def _kv_usage(stats: dict) -> float:
-    return 1 - stats["kv_blocks_free"] / stats["kv_blocks_total"]
+    return 1 - stats["kv_blocks_free"] / stats["kv_blocks_total"] if stats["kv_blocks_total"] else 0.0
 
 
 class _EngineCounters:
@@ -93,7 +93,9 @@ class _EngineCounters:
                  stats["num_preemptions"]),
                 ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                  stats["prefix_cache_query_tokens"]),
-                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats["prefix_cache_hit_tokens"])):
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats["prefix_cache_hit_tokens"]),
+                ("request_retries", "Requests sent again after their replica failed before any output (chapter 9's "
+                 "service; 0 for one engine).", stats.get("num_retries", 0))):
             family = CounterMetricFamily(PREFIX + name, doc, labels=list(self.labels))
             family.add_metric(list(self.labels.values()), value)
             yield family

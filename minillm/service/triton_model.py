@@ -129,15 +129,19 @@ def serve_triton(llm: LLM, batching: TritonBatching = TritonBatching(),
         yield f"http://127.0.0.1:{http_port}"
 
 
-def triton_generate(url: str, prompt: Sequence[int], max_tokens: int, prompt_width: int = TritonBatching.prompt_width,
-                    timeout_s: float = 300.0) -> list[int]:
-    """One prompt through a Triton server started by `serve_triton`: its greedy answer's token ids, or ValueError
-    with the server's reason for refusing it."""
+def triton_client(url: str, timeout_s: float = 300.0):
+    """A PyTriton client of the model `serve_triton` binds (a context manager; one per thread)."""
     from pytriton.client import ModelClient
 
-    with ModelClient(url, MODEL_NAME, init_timeout_s=timeout_s, inference_timeout_s=timeout_s) as client:
-        out = client.infer_sample(prompt_ids=pad_rows([prompt], prompt_width)[0],
-                                  max_tokens=np.array([max_tokens], dtype=np.int64))
+    return ModelClient(url, MODEL_NAME, init_timeout_s=timeout_s, inference_timeout_s=timeout_s)
+
+
+def triton_generate(client, prompt: Sequence[int], max_tokens: int,
+                    prompt_width: int = TritonBatching.prompt_width) -> list[int]:
+    """One prompt through `client` (`triton_client`): its greedy answer's token ids, or ValueError with the
+    server's reason for refusing it."""
+    out = client.infer_sample(prompt_ids=pad_rows([prompt], prompt_width)[0],
+                              max_tokens=np.array([max_tokens], dtype=np.int64))
     if error := out["error"][0].decode():
         raise ValueError(error)
     return unpad_row(out["token_ids"])

@@ -15,6 +15,7 @@ import sysconfig
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -105,17 +106,17 @@ def _use_this_libpython() -> None:
 
 
 @contextmanager
-def serve_triton(llm: LLM, batching: TritonBatching = TritonBatching(),
-                 ignore_eos: bool = False) -> Iterator[str]:
-    """Run Triton on 127.0.0.1 with `llm` bound as model `MODEL_NAME`; yields the HTTP URL for
-    `pytriton.client.ModelClient`, and stops the server (and its backend processes) on leaving."""
+def serve_triton(llm: LLM, batching: TritonBatching = TritonBatching(), ignore_eos: bool = False,
+                 log_file: Path | None = None) -> Iterator[str]:
+    """Run Triton on 127.0.0.1 with `llm` bound as model `MODEL_NAME` (its log on stdout, or in `log_file`);
+    yields the HTTP URL for `triton_client`, and stops the server (and its backend processes) on leaving."""
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
     from pytriton.triton import Triton, TritonConfig
 
     _use_this_libpython()
     http_port = _free_port()
     config = TritonConfig(http_address="127.0.0.1", http_port=http_port, grpc_address="127.0.0.1",
-                          grpc_port=_free_port(), allow_metrics=False, exit_timeout_secs=5)
+                          grpc_port=_free_port(), allow_metrics=False, exit_timeout_secs=5, log_file=log_file)
     batcher = DynamicBatcher(max_queue_delay_microseconds=int(batching.max_queue_delay_ms * 1000),
                              preferred_batch_size=list(batching.preferred_batch_sizes))
     with Triton(config=config) as triton:

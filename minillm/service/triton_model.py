@@ -12,15 +12,19 @@ from __future__ import annotations
 import os
 import socket
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..llm import LLM
 from ..sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from pytriton.client import ModelClient
 
 MODEL_NAME = "minillm"
 PAD = -1  # fills prompt rows up to `prompt_width` and answer rows up to their longest; never a token id
@@ -65,7 +69,7 @@ def _request_work(llm: LLM, req) -> tuple[list[list[int]], list[int]]:
     return prompts, max_tokens
 
 
-def make_infer_func(llm: LLM, ignore_eos: bool = False):
+def make_infer_func(llm: LLM, ignore_eos: bool = False) -> Callable[[list], list[dict[str, np.ndarray]]]:
     """The function Triton calls with each batch it formed: every prompt of the batch is generated greedily by
     one `LLM.generate` call, so the batch finishes when its longest answer does. A request the engine cannot run
     gets its reason in `error` (and no tokens) while the rest of its batch runs: Triton would fail them all."""
@@ -130,14 +134,14 @@ def serve_triton(llm: LLM, batching: TritonBatching = TritonBatching(), ignore_e
         yield f"http://127.0.0.1:{http_port}"
 
 
-def triton_client(url: str, timeout_s: float = 300.0):
+def triton_client(url: str, timeout_s: float = 300.0) -> ModelClient:
     """A PyTriton client of the model `serve_triton` binds (a context manager; one per thread)."""
     from pytriton.client import ModelClient
 
     return ModelClient(url, MODEL_NAME, init_timeout_s=timeout_s, inference_timeout_s=timeout_s)
 
 
-def triton_generate(client, prompt: Sequence[int], max_tokens: int,
+def triton_generate(client: ModelClient, prompt: Sequence[int], max_tokens: int,
                     prompt_width: int = TritonBatching.prompt_width) -> list[int]:
     """One prompt through `client` (`triton_client`): its greedy answer's token ids, or ValueError with the
     server's reason for refusing it."""

@@ -142,11 +142,15 @@ def main(argv: list[str] | None = None) -> None:
                               preferred_batch_sizes=(args.clients,), prompt_width=max(len(p) for p, _ in work))
     results: dict[str, list[dict[str, float]]] = {"triton (request-level)": [], "minillm (continuous)": []}
     log = Path(tempfile.gettempdir()) / "triton_batching.log"
-    with serve_triton(llm, batching, ignore_eos=True, log_file=log) as url:
-        make_triton = triton_sender(url, batching.prompt_width)
+    with serve_triton(llm, batching, ignore_eos=True, log_file=log) as server:
+        make_triton = triton_sender(server.url, batching.prompt_width)
         closed_loop(make_triton, work[:2], 2)  # warm-up
         for r in range(args.rounds):
-            results["triton (request-level)"].append(closed_loop(make_triton, work, args.clients))
+            before = server.batch_sizes.copy()
+            run = closed_loop(make_triton, work, args.clients)
+            formed = server.batch_sizes - before
+            run["requests_per_batch"] = sum(k * v for k, v in formed.items()) / sum(formed.values())
+            results["triton (request-level)"].append(run)
             continuous = ContinuousBatching(llm)
             try:
                 results["minillm (continuous)"].append(closed_loop(continuous.sender, work, args.clients))
@@ -155,8 +159,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"round {r + 1}/{args.rounds} done", flush=True)
     table = {name: {key: statistics.median(run[key] for run in runs) for key in runs[0]}
              for name, runs in results.items()}
+    requests_per_batch = table["triton (request-level)"]["requests_per_batch"]
     print(f"{args.requests} chat requests, {args.clients} clients, median of {args.rounds} rounds "
-          "(Triton does not stream: its TTFT is the full latency)")
+          f"(Triton does not stream: its TTFT is the full latency; {requests_per_batch:.1f} requests per batch)")
     print(f"{'':24} {'tok/s':>8} {'TTFT P99 ms':>12} {'TPOT P99 ms':>12}")
     for name, row in table.items():
         print(f"{name:24} {row['output_tokens_per_s']:8.1f} {row['ttft_ms_p99']:12.0f} {row['tpot_ms_p99']:12.1f}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import sysconfig
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -69,12 +70,15 @@ def _request_work(llm: LLM, req) -> tuple[list[list[int]], list[int]]:
     return prompts, max_tokens
 
 
-def make_infer_func(llm: LLM, ignore_eos: bool = False) -> Callable[[list], list[dict[str, np.ndarray]]]:
+def make_infer_func(llm: LLM, batch_sizes: Counter[int],
+                    ignore_eos: bool = False) -> Callable[[list], list[dict[str, np.ndarray]]]:
     """The function Triton calls with each batch it formed: every prompt of the batch is generated greedily by
     one `LLM.generate` call, so the batch finishes when its longest answer does. A request the engine cannot run
-    gets its reason in `error` (and no tokens) while the rest of its batch runs: Triton would fail them all."""
+    gets its reason in `error` (and no tokens) while the rest of its batch runs: Triton would fail them all.
+    `batch_sizes` counts the batches by their number of requests."""
 
     def infer(requests: list) -> list[dict[str, np.ndarray]]:
+        batch_sizes[len(requests)] += 1
         work, errors = [], []
         for req in requests:
             try:
@@ -109,11 +113,19 @@ def _use_this_libpython() -> None:
         os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([libdir, *filter(None, paths)])
 
 
+@dataclass(frozen=True)
+class TritonEndpoint:
+    """A running server: its HTTP URL (for `triton_client`) and the batches its dynamic batcher formed."""
+
+    url: str
+    batch_sizes: Counter[int]  # requests in a batch -> how many such batches the engine ran
+
+
 @contextmanager
 def serve_triton(llm: LLM, batching: TritonBatching = TritonBatching(), ignore_eos: bool = False,
-                 log_file: Path | None = None) -> Iterator[str]:
-    """Run Triton on 127.0.0.1 with `llm` bound as model `MODEL_NAME` (its log on stdout, or in `log_file`);
-    yields the HTTP URL for `triton_client`, and stops the server (and its backend processes) on leaving."""
+                 log_file: Path | None = None) -> Iterator[TritonEndpoint]:
+    """Run Triton on 127.0.0.1 with `llm` bound as model `MODEL_NAME` (its log on stdout, or in `log_file`), and
+    stop the server (and its backend processes) on leaving."""
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
     from pytriton.triton import Triton, TritonConfig
 
@@ -123,15 +135,16 @@ def serve_triton(llm: LLM, batching: TritonBatching = TritonBatching(), ignore_e
                           grpc_port=_free_port(), allow_metrics=False, exit_timeout_secs=5, log_file=log_file)
     batcher = DynamicBatcher(max_queue_delay_microseconds=int(batching.max_queue_delay_ms * 1000),
                              preferred_batch_size=list(batching.preferred_batch_sizes))
+    batch_sizes: Counter[int] = Counter()
     with Triton(config=config) as triton:
-        triton.bind(model_name=MODEL_NAME, infer_func=make_infer_func(llm, ignore_eos),
+        triton.bind(model_name=MODEL_NAME, infer_func=make_infer_func(llm, batch_sizes, ignore_eos),
                     inputs=[Tensor(name="prompt_ids", dtype=np.int64, shape=(batching.prompt_width,)),
                             Tensor(name="max_tokens", dtype=np.int64, shape=(1,))],
                     outputs=[Tensor(name="token_ids", dtype=np.int64, shape=(-1,)),
                              Tensor(name="error", dtype=np.bytes_, shape=(1,))],
                     config=ModelConfig(max_batch_size=batching.max_batch_size, batcher=batcher), strict=True)
         triton.run()
-        yield f"http://127.0.0.1:{http_port}"
+        yield TritonEndpoint(f"http://127.0.0.1:{http_port}", batch_sizes)
 
 
 def triton_client(url: str, timeout_s: float = 300.0) -> ModelClient:

@@ -218,3 +218,12 @@ def test_ray_routers_rank_and_learn_without_a_cluster():
         assert await choose(routers["session"], RouteRequest((5,), "alice")) == first
 
     asyncio.run(scenario())
+
+
+def test_router_options_reach_the_policy_and_a_wrong_one_is_named():
+    from minillm.engine_args import EngineArgs
+    from minillm.service.routers import request_router_config
+    config = request_router_config("session", EngineArgs(), {"balance_abs_threshold": 10**6})
+    assert config.request_router_kwargs["balance_abs_threshold"] == 10**6
+    with pytest.raises(TypeError, match="balance_abs"):
+        request_router_config("round_robin", EngineArgs(), {"balance_abs_threshold": 1})

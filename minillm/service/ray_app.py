@@ -78,12 +78,13 @@ def replica_resources(engine_args: EngineArgs, max_replicas: int) -> tuple[int, 
 
 
 def build_application(engine_args: EngineArgs, replicas: int = 2, router: str | None = None,
-                      autoscaling: dict | None = None, model_name: str | None = None,
+                      router_options: dict | None = None, autoscaling: dict | None = None, model_name: str | None = None,
                       max_waiting_requests: int | None = 256, drain_seconds: float = DRAIN_S,
                       step_timeout_s: float | None = STEP_TIMEOUT_S, **app_kw) -> serve.Application:
     """The Serve application: `replicas` engines (or `autoscaling`, Serve's AutoscalingConfig fields, starting
     at `replicas`; `min_replicas` 0 lets Serve remove every replica of an idle service), routed by `router`
-    (a name in `routers.ROUTERS`; None: Serve's default), behind the app; a replica whose step runs past
+    (a name in `routers.ROUTERS`; None: Serve's default; `router_options`: its policy's keywords, such as the
+    load guard's thresholds), behind the app; a replica whose step runs past
     `step_timeout_s` fails its health check. A replica that Serve removes (scaling down, a redeploy, a stop)
     first lets its requests in flight run for up to `drain_seconds` (Serve's graceful shutdown). `app_kw` goes
     to `build_app` (limits, api_key, allowed_origins, rate_limit); the API key goes to the ingress in its
@@ -108,7 +109,9 @@ def build_application(engine_args: EngineArgs, replicas: int = 2, router: str | 
     if router is not None:
         from .routers import request_router_config
 
-        options["request_router_config"] = request_router_config(router, engine_args)
+        options["request_router_config"] = request_router_config(router, engine_args, router_options)
+    elif router_options:
+        raise ValueError("router_options need a router")
     max_model_len = (context_length(ModelConfig.from_dir(path), engine_args.num_kv_blocks, engine_args.block_size)
                      if scales_to_zero else None)  # otherwise learned from a replica
     llm = LLMServer.options(**options).bind(replace(engine_args, model=str(path), num_threads=threads),

@@ -111,9 +111,12 @@ ROUTERS: dict[str, type[PolicyRouter]] = {
 }
 
 
-def request_router_config(name: str, engine_args: EngineArgs) -> RequestRouterConfig:
-    """Serve's config for router `name` of `ROUTERS` over replicas of this engine."""
+def request_router_config(name: str, engine_args: EngineArgs, options: dict | None = None) -> RequestRouterConfig:
+    """Serve's config for router `name` of `ROUTERS` over replicas of this engine; `options` go to its policy
+    (a TypeError here, naming the keyword, if the policy has no such parameter)."""
     if name not in ROUTERS:
         raise ValueError(f"router {name!r} is not one of {', '.join(ROUTERS)}")
     cls = ROUTERS[name]
-    return RequestRouterConfig(request_router_class=cls, request_router_kwargs=cls.engine_kwargs(engine_args))
+    kwargs = {**cls.engine_kwargs(engine_args), **(options or {})}
+    cls.policy_class(**kwargs)  # a wrong keyword fails here, not in Serve's router process
+    return RequestRouterConfig(request_router_class=cls, request_router_kwargs=kwargs)

@@ -104,7 +104,8 @@ class Buckets:
         """Drop the least recently used buckets beyond `max_clients`, then those at the old end that are full."""
         while len(self.buckets) > self.max_clients:
             self.buckets.popitem(last=False)
-        for client, bucket in list(self.buckets.items()):
+        while self.buckets:  # from the old end: stop at the first bucket still short of tokens
+            client, bucket = next(iter(self.buckets.items()))
             bucket.refill(now)
             if bucket.tokens < bucket.capacity:
                 break

@@ -117,7 +117,7 @@ def sampling_params(served: Served, req: SamplingRequest, prompt_len: int, max_t
             repetition_penalty=_or(req.repetition_penalty, 1.0), presence_penalty=_or(req.presence_penalty, 0.0),
             frequency_penalty=_or(req.frequency_penalty, 0.0), skip_special_tokens=req.skip_special_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, allowed_token_ids=req.allowed_token_ids,
-            bad_words=req.bad_words, truncate_prompt_tokens=req.truncate_prompt_tokens,
+            bad_words=req.bad_words,  # the prompt comes truncated (`truncate`): the engine need not again
             output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY)
     except ValueError as e:
         raise OpenAIError(str(e), param=_param(str(e))) from None

@@ -53,12 +53,12 @@ def transfer_sizes(pair: PDPair, prompts: list[list[int]], lengths: list[int], r
     per_token = kv_cache_bytes(1, config.num_layers, config.num_kv_heads, config.head_dim, 4)
     pair.generate([prompts[-1][:16]], SamplingParams(max_tokens=2, ignore_eos=True))
     pair.reset_prefix_cache()  # the measured requests find nothing cached on either side
-    seen = len(pair.stats()["decode"]["transfers"])
+    seen = len(pair.instance_stats()["decode"][0]["transfers"])
     for prompt in prompts:
         pair.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))
-    stats = pair.stats()
-    records = stats["decode"]["transfers"][seen:]
-    served = {r.request_id: r.seconds for r in stats["prefill"]["transfers"]}
+    (prefill,), (decode,) = pair.instance_stats().values()
+    records = decode["transfers"][seen:]
+    served = {r.request_id: r.seconds for r in prefill["transfers"]}
     print(f"\n(a) KV transfer by prompt length, float32 cache, block size 16; formula: {config.num_layers} layers x 2 x "
           f"{config.num_kv_heads} KV heads x {config.head_dim} x 4 bytes = {per_token:,} bytes per token")
     print(f"{'tokens':>6} {'blocks':>6} {'bytes':>12} {'bytes/token':>12} {'x formula':>9} {'pull ms':>8} "
@@ -161,9 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'':<34} {'decoder ITL ms':>19} {'TPOT ms':>9} {'long TTFT':>10} {'goodput':>8} {'req/s':>8}")
         print(f"{'':<34} {'median':>9} {'P99':>9} {'mean':>9} {'median ms':>10} {'req/s':>8} {'':>8}")
         pair.reset_prefix_cache()
-        seen = len(pair.stats()["decode"]["transfers"])
+        seen = len(pair.instance_stats()["decode"][0]["transfers"])
         split = run_mixed(pair, "split: prefill 1 + decode 1 thread", work, args.decoders, slo)
-        loaded_pulls = [r.seconds for r in pair.stats()["decode"]["transfers"][seen:]
+        loaded_pulls = [r.seconds for r in pair.instance_stats()["decode"][0]["transfers"][seen:]
                         if r.num_blocks == -(-args.long_len // 16)]
     results, stalls = {}, {}
     for threads in (2, 1):

@@ -12,6 +12,7 @@ exactly as `apply_chat_template` does.
 
 from __future__ import annotations
 
+import inspect
 import re
 
 PLACEHOLDER_CHARS = range(0xE000, 0xF900)  # Unicode's private use area: a placeholder mark is taken from here
@@ -70,3 +71,21 @@ def chat_token_ids(tokenizer, messages: list[dict], **template_kwargs) -> list[i
             piece = restore.sub(lambda p: specials[int(p[1])], piece)
             ids += tokenizer(piece, add_special_tokens=False, split_special_tokens=True).input_ids
     return ids
+
+
+def conversation_ids(tokenizer, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                     chat_template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of a conversation (list of {"role", "content"} dicts) ready for the assistant's reply, or with its
+    last message left open to be continued; `chat_template_kwargs` are extra template variables. A ValueError
+    names what is wrong with the messages, or what the template refused."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= m.keys()
+                                                  for m in messages):
+        raise ValueError('messages must be a list of {"role": ..., "content": ...} dicts')
+    extra = chat_template_kwargs or {}
+    if reserved := sorted(extra.keys() & inspect.signature(tokenizer.apply_chat_template).parameters.keys()):
+        raise ValueError(f"chat_template_kwargs may only add template variables, not set {reserved}")
+    try:
+        return chat_token_ids(tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                              continue_final_message=continue_final_message, **extra)
+    except Exception as e:  # the template itself may refuse a conversation (jinja2's TemplateError)
+        raise ValueError(f"the chat template cannot format these messages: {e}") from None

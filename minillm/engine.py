@@ -8,7 +8,6 @@ allocated, until the pulled K/V are installed, then decodes from the handle's fi
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 import threading
@@ -20,7 +19,7 @@ import torch
 
 from .attention import MicroBatch
 from .block_manager import BlockManager
-from .chat_template import chat_token_ids
+from .chat_template import conversation_ids
 from .config import ModelConfig
 from .disagg.connector import KVConnector
 from .kv_handoff import KVTransferParams
@@ -188,17 +187,8 @@ class LLMEngine:
         """Token ids of a conversation (list of {"role", "content"} dicts) ready for the assistant's reply, or
         with its last message left open to be continued; `chat_template_kwargs` are extra template variables.
         Only the template writes control tokens: one a message spells stays text (`chat_template.py`)."""
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= m.keys()
-                                                      for m in messages):
-            raise ValueError('messages must be a list of {"role": ..., "content": ...} dicts')
-        extra = chat_template_kwargs or {}
-        if reserved := sorted(extra.keys() & inspect.signature(self.tokenizer.apply_chat_template).parameters.keys()):
-            raise ValueError(f"chat_template_kwargs may only add template variables, not set {reserved}")
-        try:
-            return chat_token_ids(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
-                                  continue_final_message=continue_final_message, **extra)
-        except Exception as e:  # the template itself may refuse a conversation (jinja2's TemplateError)
-            raise ValueError(f"the chat template cannot format these messages: {e}") from None
+        return conversation_ids(self.tokenizer, messages, add_generation_prompt, continue_final_message,
+                                chat_template_kwargs)
 
     def validate(self, token_ids: list[int]) -> None:
         """Reject a prompt the engine cannot run, before any state changes."""

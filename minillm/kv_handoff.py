@@ -50,8 +50,9 @@ class KVLayout:
 
 @dataclass
 class KVTransferParams:
-    """A prefilled request, handed over: the prefill instance holds `block_ids` until the decode instance pulls
-    them by `transfer_id` (or until it gives up waiting). The decode instance continues from `first_token`."""
+    """A prefilled request, handed over: the prefill instance (rank `prefill_rank` of the pool's group) holds
+    `block_ids` until a decode instance pulls them by `transfer_id` (or until it gives up waiting). The decode
+    instance continues from `first_token`."""
 
     request_id: str  # the prefill instance's id for it
     prompt_token_ids: list[int]
@@ -62,6 +63,7 @@ class KVTransferParams:
     transfer_id: int  # names the held blocks in a pull; also the tag of the reply
     first_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
     generator_state: torch.Tensor | None = None  # a seeded sampler's state after drawing the first token
+    prefill_rank: int = 0  # which prefill instance holds the blocks
 
     @property
     def nbytes(self) -> int:

@@ -14,8 +14,9 @@ import time
 import pytest
 
 from minillm import LLM, LLMEngine, SamplingParams
+from minillm.sampling import RequestOutputKind
 from minillm.disagg.connector import CONSUMER, PRODUCER, KVConnector
-from minillm.disagg.kv_transfer import pair_comm
+from minillm.disagg.kv_transfer import pd_comm
 from minillm.kv_handoff import KVLayout
 from minillm.disagg.pair import PDPair, decode_params, prefill_params
 from minillm.parallel.comm import free_port
@@ -43,7 +44,7 @@ def tiny_bytes_per_token(itemsize: int, scales: bool = False) -> int:
 def connect(prefill: LLMEngine, decode: LLMEngine, hold_timeout: float = 60.0) -> None:
     """Join two engines of this process as a pair: a gloo group of two ranks over loopback, one per thread."""
     port, comms = free_port(), {}
-    threads = [threading.Thread(target=lambda r: comms.__setitem__(r, pair_comm(r, port)), args=(r,))
+    threads = [threading.Thread(target=lambda r: comms.__setitem__(r, pd_comm(r, 2, port)), args=(r,))
                for r in (0, 1)]
     for t in threads:
         t.start()
@@ -259,10 +260,11 @@ def test_pair_equals_one_engine(tiny_llama, single):
         with pytest.raises(ValueError, match="allowed_token_ids has token ids outside"):  # refused before queuing
             pair.add_request(None, PROMPTS[0], SamplingParams(allowed_token_ids=[10 ** 6]))
         # abort while the pair works: every block comes back on both sides
-        rid = pair.add_request(None, PROMPTS[4], SamplingParams(max_tokens=200, ignore_eos=True))
+        rid = pair.add_request(None, PROMPTS[4], SamplingParams(max_tokens=200, ignore_eos=True,
+                                                                output_kind=RequestOutputKind.FINAL_ONLY))
         deadline = time.monotonic() + 30
-        while not pair.stats()["decode"]["num_running"]:
-            assert time.monotonic() < deadline
+        while not pair.stats()["num_running"]:  # as the instances last reported: read as the pool steps
+            assert time.monotonic() < deadline and not pair.step(timeout=0.05)
         pair.abort(rid)
         outs = []
         while not outs:
@@ -272,13 +274,14 @@ def test_pair_equals_one_engine(tiny_llama, single):
         # the prefill side frees a pulled request's blocks in its next loop after the send ends, which can come
         # after the decode side's abort: every block must come back, within a bound
         def all_free():
-            stats = pair.stats()
-            return stats if all(s["kv_blocks_free"] == s["kv_blocks_total"] for s in stats.values()) else None
+            stats = pair.instance_stats()
+            return stats if all(s["kv_blocks_free"] == s["kv_blocks_total"] for ss in stats.values() for s in ss) \
+                else None
 
-        stats = wait_for(all_free, 10, "every block freed on both instances")
-        records = stats["decode"]["transfers"]
+        (prefill,), (decode,) = wait_for(all_free, 10, "every block freed on both instances").values()
+        records = decode["transfers"]
         assert all(r.nbytes == r.num_blocks * BLOCK * tiny_bytes_per_token(4) for r in records)
-        assert sum(r.nbytes for r in records) + 16 * len(records) == stats["prefill"]["comm"]["send"].bytes
+        assert sum(r.nbytes for r in records) + 16 * len(records) == prefill["comm"]["send"].bytes
     assert set(multiprocessing.active_children()) <= before
 
 
@@ -286,7 +289,7 @@ def test_pair_equals_one_engine(tiny_llama, single):
 def test_killed_decode_instance_is_an_error(tiny_llama):
     before = set(multiprocessing.active_children())
     pair = PDPair(tiny_llama, **ENGINE)
-    os.kill(pair._procs["decode"].pid, signal.SIGKILL)
+    os.kill(pair._instances["decode"][0].process.pid, signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="decode"):
         pair.generate(PROMPTS, GREEDY, timeout=60)

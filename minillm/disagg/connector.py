@@ -8,8 +8,10 @@ once the message is sent; if no pull comes within `hold_timeout` seconds it free
 told they are gone (the decode side then computes the prompt itself).
 
 gloo's point-to-point operations can be waited on but not polled (`is_completed` stays False until `wait`), so
-each side keeps one thread that blocks on the wire. The engine step collects what it finished (`get_finished`,
-as in vLLM) and is alone in changing blocks and queues.
+each side keeps one thread per peer that blocks on the wire: a decode instance pulls from several prefill
+instances at once, a prefill instance answers several decode instances at once, and each side's engine keeps
+stepping meanwhile. The engine step collects what they finished (`get_finished`, as in vLLM) and is alone in
+changing blocks and queues.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ from ..parallel.comm import Comm
 from ..sampling import SamplingParams, TokenLogprobs
 from ..sequence import Sequence
 from ..kv_handoff import KVLayout, KVTransferParams
-from .kv_transfer import DECODE_RANK, PREFILL_RANK, TransferRecord
+from .kv_transfer import TransferRecord
 
 PRODUCER, CONSUMER = "kv_producer", "kv_consumer"  # vLLM's kv_role values
-STOP = 0  # a pull of transfer 0 ends the prefill side's thread (transfer ids start at 1)
+STOP = 0  # a pull of transfer 0 ends the prefill side's thread for that peer (transfer ids start at 1)
 GONE, FOUND = 0, 1
 
 
@@ -46,26 +48,30 @@ def check_remote_decode(params: SamplingParams) -> None:
 
 
 class KVConnector:
-    """Holds (prefill side) or pulls (decode side) prompts' KV blocks over a two-rank `Comm`."""
+    """Holds (prefill side) or pulls (decode side) prompts' KV blocks over a `Comm` shared with its `peers`: the
+    ranks of the other side's instances (default: the other rank of a group of two)."""
 
-    def __init__(self, role: str, comm: Comm, kv_cache: KVCache, hold_timeout: float = 60.0):
+    def __init__(self, role: str, comm: Comm, kv_cache: KVCache, hold_timeout: float = 60.0,
+                 peers: list[int] | None = None):
         if role not in (PRODUCER, CONSUMER):
             raise ValueError(f"role must be {PRODUCER!r} (prefill) or {CONSUMER!r} (decode), got {role!r}")
         self.role, self.comm, self.kv_cache, self.hold_timeout = role, comm, kv_cache, hold_timeout
         self.layout = KVLayout.of(kv_cache)
-        self.peer = DECODE_RANK if role == PRODUCER else PREFILL_RANK
+        self.peers = [1 - comm.rank] if peers is None else list(peers)
         self.transfers: list[TransferRecord] = []  # one per finished transfer, as this side saw it
         self.num_expired = 0  # held blocks freed because no pull came in time
-        self._lock = threading.Lock()  # guards the two dicts: the thread takes a held request, an abort releases it
+        self._lock = threading.Lock()  # guards the two dicts: the threads take held requests, an abort releases one
         self._held: dict[int, tuple[Sequence, float]] = {}  # transfer id -> (finished prefill, since)
         self._held_ids: dict[str, int] = {}  # request id -> transfer id
         self._ids = itertools.count(STOP + 1)
-        self._pulls: queue.SimpleQueue = queue.SimpleQueue()  # decode side: (sequence, handle, first block) to pull
-        self._done: queue.SimpleQueue = queue.SimpleQueue()  # what the thread finished, for the next step
+        # decode side: per prefill instance, the (sequence, handle, first block) to pull from it
+        self._pulls: dict[int, queue.SimpleQueue] = {peer: queue.SimpleQueue() for peer in self.peers}
+        self._done: queue.SimpleQueue = queue.SimpleQueue()  # what the threads finished, for the next step
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._serve if role == PRODUCER else self._pull, daemon=True,
-                                        name=role)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._serve if role == PRODUCER else self._pull, args=(peer,),
+                                          daemon=True, name=f"{role}-{peer}") for peer in self.peers]
+        for t in self._threads:
+            t.start()
 
     @property
     def num_held(self) -> int:
@@ -86,6 +92,9 @@ class KVConnector:
             check_remote_decode(params)
             return replace(params, max_tokens=1)
         self.layout.check(remote_prefill.layout)
+        if remote_prefill.prefill_rank not in self.peers:
+            raise ValueError(f"remote_prefill names prefill rank {remote_prefill.prefill_rank}, which is not a peer "
+                             f"of this instance ({self.peers})")
         if list(remote_prefill.prompt_token_ids) != token_ids:
             raise ValueError("the prompt differs from the one the prefill instance computed (remote_prefill)")
         if params.prompt_logprobs is not None:
@@ -99,7 +108,8 @@ class KVConnector:
         transfer_id = next(self._ids)
         handle = KVTransferParams(seq.request_id, list(seq.prompt_token_ids), seq.output_token_ids[0],
                                   seq.metrics.first_token_time, list(seq.block_table), self.layout, transfer_id,
-                                  first_logprobs, None if seq.generator is None else seq.generator.get_state())
+                                  first_logprobs, None if seq.generator is None else seq.generator.get_state(),
+                                  self.comm.rank)
         with self._lock:
             self._held[transfer_id] = (seq, time.perf_counter())
             self._held_ids[seq.request_id] = transfer_id
@@ -119,22 +129,23 @@ class KVConnector:
                 del self._held_ids[held[0].request_id]
         return None if held is None else held[0]
 
-    def _serve(self) -> None:
-        """The prefill side's thread: answer each pull with the blocks it names, until told to stop."""
+    def _serve(self, peer: int) -> None:
+        """The prefill side's thread for one decode instance: answer its pulls with the blocks they name, until it
+        says stop."""
         try:
             header = torch.zeros(3, dtype=torch.long)
-            while (pull := self.comm.recv(header, self.peer).tolist())[0] != STOP:
+            while (pull := self.comm.recv(header, peer).tolist())[0] != STOP:
                 transfer_id, first, count = pull
                 start = time.perf_counter()
                 seq = self._take(transfer_id)  # ours now: an abort or a timeout can no longer free it under us
                 if seq is None:
-                    self.comm.send(torch.tensor([GONE, 0]), self.peer, tag=transfer_id).wait()
+                    self.comm.send(torch.tensor([GONE, 0]), peer, tag=transfer_id).wait()
                     continue
                 block_ids = seq.block_table[first:first + count]
                 data = self.kv_cache.pack_blocks(block_ids)
-                self.comm.send(torch.tensor([FOUND, data.numel()]), self.peer, tag=transfer_id).wait()
+                self.comm.send(torch.tensor([FOUND, data.numel()]), peer, tag=transfer_id).wait()
                 if data.numel():
-                    self.comm.send(data, self.peer, tag=transfer_id).wait()
+                    self.comm.send(data, peer, tag=transfer_id).wait()
                 record = TransferRecord(seq.request_id, len(block_ids), data.numel(), time.perf_counter() - start)
                 self._done.put((seq, record))
         except BaseException as e:  # the engine step raises it
@@ -153,16 +164,17 @@ class KVConnector:
 
     def start_load_kv(self, seq: Sequence) -> None:
         """Pull the K/V of a sequence that just got its blocks (vLLM's name): those after its prefix-cache hits."""
-        self._pulls.put((seq, seq.remote_prefill, len(seq.block_hashes)))
+        self._pulls[seq.remote_prefill.prefill_rank].put((seq, seq.remote_prefill, len(seq.block_hashes)))
 
-    def _pull(self) -> None:
-        """The decode side's thread: make each pull in turn; at the end, tell the prefill side's thread to stop."""
+    def _pull(self, peer: int) -> None:
+        """The decode side's thread for one prefill instance: make each pull from it in turn; at the end, tell that
+        instance's thread for this one to stop."""
         try:
-            while (job := self._pulls.get()) is not None:
+            while (job := self._pulls[peer].get()) is not None:
                 seq, handle, first = job
                 start, count, tag = time.perf_counter(), len(handle.block_ids) - first, handle.transfer_id
-                self.comm.send(torch.tensor([tag, first, count]), self.peer).wait()
-                found, nbytes = self.comm.recv(torch.zeros(2, dtype=torch.long), self.peer, tag).tolist()
+                self.comm.send(torch.tensor([tag, first, count]), peer).wait()
+                found, nbytes = self.comm.recv(torch.zeros(2, dtype=torch.long), peer, tag).tolist()
                 data = None
                 if found:
                     if nbytes != count * self.layout.block_bytes:
@@ -170,10 +182,10 @@ class KVConnector:
                                            f"{self.layout.block_bytes}")
                     data = torch.empty(nbytes, dtype=torch.uint8)
                     if nbytes:
-                        self.comm.recv(data, self.peer, tag)
+                        self.comm.recv(data, peer, tag)
                 record = TransferRecord(handle.request_id, count, nbytes, time.perf_counter() - start)
                 self._done.put((seq, first, data, record))
-            self.comm.send(torch.tensor([STOP, 0, 0]), self.peer).wait()
+            self.comm.send(torch.tensor([STOP, 0, 0]), peer).wait()
         except BaseException as e:  # the engine step raises it
             self._error = e
 
@@ -184,8 +196,8 @@ class KVConnector:
         or held too long: free them. Decode side: sequences whose pulls ended, each with whether its K/V are now
         installed in its blocks (False: the prefill side no longer had them). Raises if the transfer broke."""
         if self._error is not None:
-            peer = "decode" if self.role == PRODUCER else "prefill"
-            raise RuntimeError(f"the KV transfer with the {peer} instance failed: {type(self._error).__name__}: "
+            peer = "a decode" if self.role == PRODUCER else "a prefill"
+            raise RuntimeError(f"the KV transfer with {peer} instance failed: {type(self._error).__name__}: "
                                f"{self._error}") from self._error
         sent, loaded = [], []
         while True:
@@ -208,8 +220,11 @@ class KVConnector:
         return sent, loaded
 
     def close(self) -> None:
-        """End the decode side's thread, and through it the prefill side's (whose thread otherwise ends when its
-        peer's process does). Idempotent."""
-        if self.role == CONSUMER and self._thread.is_alive():
-            self._pulls.put(None)
-            self._thread.join(timeout=5)
+        """End the decode side's threads, and through them the prefill side's threads for this instance (which
+        otherwise end when this instance's process does). Idempotent."""
+        if self.role == CONSUMER:
+            for peer, t in zip(self.peers, self._threads):
+                if t.is_alive():
+                    self._pulls[peer].put(None)
+            for t in self._threads:
+                t.join(timeout=5)

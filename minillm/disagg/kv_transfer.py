@@ -1,8 +1,9 @@
-"""Chapter 9 — the wire between a prefill and a decode instance, and what a transfer over it records.
+"""Chapter 9 — the wire between prefill and decode instances, and what a transfer over it records.
 
 The handle that names a prefilled request (`KVTransferParams`, in the core's `kv_handoff.py`) is small; the K/V
-themselves travel separately, over the two instances' own gloo group on 127.0.0.1, when the decode side pulls
-them (connector.py).
+themselves travel separately, over the instances' own gloo group on 127.0.0.1, when a decode instance pulls them
+(connector.py). In a pool of P prefill and D decode instances, prefill instance i is rank i and decode instance j
+is rank P + j; every prefill instance can send to every decode instance.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from datetime import timedelta
 from ..parallel.comm import Comm, loopback_store
 from ..parallel.state import new_group
 
-PREFILL_RANK, DECODE_RANK = 0, 1
 # A prefill instance waits for pulls as long as it is idle, so its group never times out by itself; a peer that
 # dies closes its sockets, which ends any wait at once with an error.
 GROUP_TIMEOUT = timedelta(days=1)
@@ -30,7 +30,12 @@ class TransferRecord:
     seconds: float
 
 
-def pair_comm(rank: int, port: int) -> Comm:
-    """The two instances' gloo group (prefill rank 0, decode rank 1), rendezvous on 127.0.0.1:`port`, connections
-    on the loopback interface only; its bytes counted by `Comm`."""
-    return Comm(new_group("gloo", loopback_store(rank, 2, port), rank, 2, GROUP_TIMEOUT))
+def pd_ranks(num_prefill: int, num_decode: int) -> tuple[list[int], list[int]]:
+    """The ranks of a pool's prefill instances and of its decode instances."""
+    return list(range(num_prefill)), list(range(num_prefill, num_prefill + num_decode))
+
+
+def pd_comm(rank: int, world_size: int, port: int) -> Comm:
+    """The instances' gloo group, rendezvous on 127.0.0.1:`port`, connections on the loopback interface only; its
+    bytes counted by `Comm`."""
+    return Comm(new_group("gloo", loopback_store(rank, world_size, port), rank, world_size, GROUP_TIMEOUT))

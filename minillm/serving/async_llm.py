@@ -18,10 +18,14 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from ..engine import LLMEngine
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from ..disagg import PDPair
 
 log = logging.getLogger("minillm.serving")
 STEP_TIMEOUT_S = 60.0  # a step running longer than this is taken for hung (a CPU step of the default model: ms to s)
@@ -118,7 +122,8 @@ def _concat(old: CompletionOutput, new: CompletionOutput) -> CompletionOutput:
 
 
 class AsyncLLM:
-    """An `LLMEngine` served to asyncio code: `add_request` / `generate` / `abort`, one engine loop thread.
+    """An `LLMEngine` served to asyncio code: `add_request` / `generate` / `abort`, one engine loop thread. A
+    prefill/decode pool (chapter 9's `disagg.PDPair`) offers the engine methods used here, and is served the same way.
 
     What a server uses, and all it uses (a remote replica implements the same):
     requests: `add_request`, `generate`, `abort`, `abort_nowait`, `forget`, `check_room`, `max_waiting_requests`;
@@ -130,7 +135,7 @@ class AsyncLLM:
     that never returns would not): new requests are refused and `/health` answers 503 until it returns.
     """
 
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
+    def __init__(self, engine: LLMEngine | PDPair, max_waiting_requests: int | None = None,
                  step_timeout_s: float | None = STEP_TIMEOUT_S):
         if step_timeout_s is not None and step_timeout_s <= 0:
             raise ValueError(f"step_timeout_s must be positive, got {step_timeout_s}")

@@ -229,8 +229,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "with token authentication (Ray's default) set RAY_AUTH_MODE=token and its token")
     for flag, kind, text in AUTOSCALING_FLAGS:
         scale.add_argument(flag, type=kind, default=None, help=text)
+    scale.add_argument("--pd", type=pd_counts, default=None, metavar="P:D",
+                       help="prefill/decode disaggregation: P prefill and D decode engines, one process each, "
+                            "behind this one server (e.g. 1:1); threads are split evenly among them; without Ray")
     ServerLimits.add_cli_args(parser)
     EngineArgs.add_cli_args(parser)
+
+
+def pd_counts(text: str) -> tuple[int, int]:
+    """`--pd`'s "P:D": how many prefill and decode instances."""
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"--pd takes P:D, two whole numbers of at least 1 (e.g. 1:1), got {text!r}")
+    return int(parts[0]), int(parts[1])
 
 
 def autoscaling_from_cli(args: argparse.Namespace) -> dict | None:
@@ -283,27 +294,42 @@ def serve(args: argparse.Namespace) -> int:
     autoscaling = autoscaling_from_cli(args)
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
-    if args.replicas > 1 or args.ray_address is not None or autoscaling is not None:
+    on_ray = args.replicas > 1 or args.ray_address is not None or autoscaling is not None
+    if on_ray and args.pd is not None:
+        raise ValueError("--pd serves one pool of prefill and decode processes on this machine, without Ray: drop "
+                         "--replicas, --ray-address and the autoscaling flags")
+    if on_ray:
         from ..service.ray_app import serve_on_ray
 
         return serve_on_ray(args, autoscaling, app_kw)
     if args.router is not None:
         raise ValueError("--router chooses among replicas: give --replicas N with N > 1")
-    engine = LLMEngine(EngineArgs.from_cli_args(args))
+    engine_args = EngineArgs.from_cli_args(args)
+    if args.pd is not None:
+        from ..disagg import PDPair
+
+        engine = PDPair(engine_args, num_prefill=args.pd[0], num_decode=args.pd[1])
+        layout = f"{args.pd[0]} prefill + {args.pd[1]} decode instances"
+    else:
+        engine = LLMEngine(engine_args)
+        layout = f"{torch.get_num_threads()} threads"
     name = args.served_model_name or (engine.path.name if args.model else DEFAULT_MODEL)
     llm = AsyncLLM(engine, max_waiting_requests=args.max_waiting_requests, step_timeout_s=args.step_timeout or None)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
 
     def ready() -> None:
-        print(f"minillm: serving {name} at http://{host}:{port}/v1 on {engine.device} "
-              f"({torch.get_num_threads()} threads); Ctrl-C to stop", flush=True)
+        print(f"minillm: serving {name} at http://{host}:{port}/v1 on {engine.stats()['device']} ({layout}); "
+              "Ctrl-C to stop", flush=True)
 
     app = build_app(llm, name, on_started=ready, **app_kw)
     config = uvicorn_config(app, args.forwarded_allow_ips, log_level=args.log_level,
                             access_log=args.log_level in ("debug", "info"), **connection_kw)
     server = _Server(config, llm, args.drain_seconds)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.shutdown()
     print("minillm: stopped" if server.exit_code == 0 else "minillm: stopped after the engine failed (see above)",
           file=sys.stderr, flush=True)
     return server.exit_code

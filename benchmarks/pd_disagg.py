@@ -5,7 +5,8 @@ x head dim x bytes, and the decode side's pull time (and GB/s) by prompt length,
 127.0.0.1. (b) A mixed workload, long prompts arriving among running decoders, replayed open loop into one engine
 with 2 threads, one engine with 1 thread, and a `PDPair` with 1 + 1 threads: the decoders' ITL P99 and goodput
 under an SLO. (c) The inequality "disaggregation pays when the interference it removes exceeds the transfer it
-adds", with this machine's measurements, and by formula for GPUs (data-sheet bandwidths, an H200's FLOP roofline).
+adds", with this machine's measurements for a short and a long prompt, and by formula for GPUs (data-sheet
+bandwidths, an H200's FLOP roofline).
 
 Everything runs in one invocation, one configuration after another; run it on an otherwise idle machine. Usage:
 
@@ -96,13 +97,13 @@ def run_mixed(engine, name: str, work, decoders: int, slo: dict) -> dict:
     return {"decoders": dec, "longs": longs, "all": every}
 
 
-def decode_stall(engine: LLMEngine, decoders: list[list[int]], long_prompts: list[list[int]]) -> tuple[float, float]:
+def decode_stall(engine: LLMEngine, decoders: list[list[int]], prompts: list[list[int]]) -> tuple[float, float]:
     """Median seconds of a decode step of `decoders` alone, and the median extra seconds of a step that also
-    prefills one long prompt: what every running decoder waits, once per long prompt, when one engine does both."""
+    prefills one of `prompts`: what every running decoder waits, once per such prompt, when one engine does both."""
     ids = [engine.add_request(None, p, SamplingParams(max_tokens=500, ignore_eos=True)) for p in decoders]
     engine.step()  # the decoders' prompts
     plain, mixed = [], []
-    for prompt in long_prompts:
+    for prompt in prompts:
         for _ in range(5):
             start = time.perf_counter()
             engine.step()
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decoders", type=int, default=4)
     parser.add_argument("--decode-tokens", type=int, default=96)
     parser.add_argument("--long-len", type=int, default=512)
+    parser.add_argument("--short-len", type=int, default=64, help="(c) also weighs a prompt this short")
     parser.add_argument("--longs", type=int, default=4)
     parser.add_argument("--long-tokens", type=int, default=8)
     parser.add_argument("--gap", type=float, default=2.5, help="seconds between long prompts' arrivals")
@@ -150,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     with PDPair(device="cpu", prefill_threads=1, decode_threads=1) as pair:
         sizes = [n for n in args.lengths for _ in range(args.repeats)]
         mixed = [32] * args.decoders + [args.long_len] * args.longs
-        prompts = windows(corpus_ids(pair.tokenizer), sizes + mixed + [args.long_len] * args.repeats)
+        weighed = (args.short_len, args.long_len)  # (c): a stall per prompt length, `repeats` prompts each
+        prompts = windows(corpus_ids(pair.tokenizer), sizes + mixed + [n for n in weighed for _ in range(args.repeats)])
         pulls = transfer_sizes(pair, prompts[:len(sizes)], args.lengths, args.repeats, config)
         work = mixed_workload(prompts[len(sizes):len(sizes) + len(mixed)], args.decoders, args.decode_tokens,
                               args.longs, args.long_tokens, 1.0, args.gap)
@@ -171,7 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             results[threads] = run_mixed(engine, f"one engine, {threads} thread{'s' * (threads > 1)}", work,
                                          args.decoders, slo)
-            stalls[threads] = decode_stall(engine, work[0][:args.decoders], prompts[len(sizes) + len(mixed):])
+            stalled = prompts[len(sizes) + len(mixed):]
+            stalls[threads] = {n: decode_stall(engine, work[0][:args.decoders],
+                                               stalled[i * args.repeats:(i + 1) * args.repeats])
+                               for i, n in enumerate(weighed)}
         finally:
             engine.shutdown()
     print("\nEqual total threads (2 vs 1 + 1) is the fair comparison: the same two cores either way. The 1-thread "
@@ -183,17 +189,18 @@ def main(argv: list[str] | None = None) -> int:
               f"goodput {split['all']['goodput']:.3f} / {result['all']['goodput']:.3f} req/s; long prompts' TTFT "
               f"{split['longs']['ttft_ms_median'] / result['longs']['ttft_ms_median']:.2f}x")
 
-    print(f"\n(c) Disaggregation pays when the interference it removes exceeds the transfer it adds, per long prompt "
-          f"({args.long_len} tokens):")
-    pull = pulls.get(args.long_len)
-    for threads, (step, stall) in stalls.items():
-        line = (f"one engine, {threads} thread{'s' * (threads > 1)}: a decode step of {args.decoders} takes "
-                f"{1e3 * step:.0f} ms; one with the prefill too takes {1e3 * stall:.0f} ms more (the stall every "
-                f"decoder waits)")
-        if pull is not None:
-            line += (f"; the pull takes {1e3 * pull:.1f} ms (idle pair), stall / pull = {stall / pull:,.0f} "
-                     f"(x {args.decoders} decoders stalled: {args.decoders * stall / pull:,.0f})")
-        print(line)
+    print("\n(c) Disaggregation pays when the interference it removes exceeds the transfer it adds, per prompt:")
+    for tokens in weighed:
+        pull = pulls.get(tokens)
+        for threads, by_length in stalls.items():
+            step, stall = by_length[tokens]
+            line = (f"{tokens} tokens, one engine, {threads} thread{'s' * (threads > 1)}: a decode step of "
+                    f"{args.decoders} takes {1e3 * step:.0f} ms; one with the prefill too takes {1e3 * stall:.0f} ms "
+                    "more (the stall every decoder waits)")
+            if pull is not None:
+                line += (f"; the pull takes {1e3 * pull:.1f} ms (idle pair), stall / pull = {stall / pull:,.1f} "
+                         f"(x {args.decoders} decoders stalled: {args.decoders * stall / pull:,.1f})")
+            print(line)
     if loaded_pulls:
         print(f"pulls of the long prompts during the mixed run: median {1e3 * statistics.median(loaded_pulls):.1f} ms")
     print("\nOn GPUs, by formula (data-sheet bandwidths per direction and H200 peaks; the roofline prefill is a lower "

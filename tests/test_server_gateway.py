@@ -49,7 +49,7 @@ def test_with_several_keys_each_key_is_a_client(tiny_llama):
             assert statuses(moved, 1) == [429]  # the key, not the address
         with client(srv.url, "127.0.0.3", "k-three") as stranger:
             assert statuses(stranger, 2) == [401, 401]  # no bucket for a wrong key
-        clients = sorted(middleware(srv, RateLimiter).buckets.buckets)
+        clients = sorted(middleware(srv, RateLimiter).buckets.map.buckets)
         assert clients == ["key 0", "key 1"] and not any("k-" in c for c in clients)  # the keys are kept nowhere
 
 

@@ -10,6 +10,10 @@ A client is its address, or its API key when the server holds several (one per c
 and so would believing any `X-Forwarded-For` (the server takes it only from the proxies `--forwarded-allow-ips`
 names). A refilled bucket is the same as a new one, so the map keeps only buckets still spending, and at most
 `MAX_CLIENTS` of them. Failed keys are counted the same way, per address, so that guessing is slow.
+
+The middlewares reach their buckets through `take` and `wait` coroutines: a map in this process (`LocalBuckets`),
+or one map that several ingress replicas share (`ray_app.GatewayBuckets`), so a client's budget is the same
+whichever replica its requests reach.
 """
 
 from __future__ import annotations
@@ -112,6 +116,19 @@ class Buckets:
             del self.buckets[client]
 
 
+class LocalBuckets:
+    """A `Buckets` map kept in this process, behind the coroutines a shared map offers too."""
+
+    def __init__(self, limit: RateLimit, max_clients: int = MAX_CLIENTS):
+        self.map = Buckets(limit, max_clients)
+
+    async def take(self, client: str) -> float:
+        return self.map.take(client, time.monotonic())
+
+    async def wait(self, client: str) -> float:
+        return self.map.wait(client, time.monotonic())
+
+
 def client_address(scope) -> str:
     """The client's address: the socket's, or the one a proxy named (only one of `--forwarded-allow-ips`)."""
     client = scope.get("client")
@@ -125,18 +142,19 @@ def too_many(message: str, wait: float) -> OpenAIError:
 
 
 class RateLimiter:
-    """ASGI middleware: one `TokenBucket` per client; /health, /metrics and /version are not limited."""
+    """ASGI middleware: one `TokenBucket` per client, in `buckets` (default: a map here); /health, /metrics and
+    /version are not limited."""
 
-    def __init__(self, app, limit: RateLimit, max_clients: int = MAX_CLIENTS):
+    def __init__(self, app, limit: RateLimit, buckets=None, max_clients: int = MAX_CLIENTS):
         self.app, self.limit = app, limit
-        self.buckets = Buckets(limit, max_clients)
+        self.buckets = buckets or LocalBuckets(limit, max_clients)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or is_open(scope):
             return await self.app(scope, receive, send)
         # the key `ApiKeyAuth` matched when it holds several (its index: the key itself is kept nowhere)
         client = scope.get(CLIENT_KEY) or "address " + client_address(scope)
-        wait = self.buckets.take(client, time.monotonic())
+        wait = await self.buckets.take(client)
         if wait > 0:
             error = too_many(f"rate limit exceeded: {self.limit.requests_per_second:g} requests per second "
                              f"in bursts of {self.limit.capacity}; retry in {wait:.2f} s", wait)
@@ -146,24 +164,25 @@ class RateLimiter:
 
 class AuthFailureLimit:
     """ASGI middleware around `ApiKeyAuth`: each 401 takes a token from its address's bucket, and an address
-    with none left gets a 429 with Retry-After before its key is compared."""
+    with none left gets a 429 with Retry-After before its key is compared. `failures`: where the buckets are
+    (default: a map here)."""
 
-    def __init__(self, app, limit: RateLimit = AUTH_FAILURE_LIMIT, max_clients: int = MAX_CLIENTS):
+    def __init__(self, app, limit: RateLimit = AUTH_FAILURE_LIMIT, failures=None, max_clients: int = MAX_CLIENTS):
         self.app, self.limit = app, limit
-        self.failures = Buckets(limit, max_clients)
+        self.failures = failures or LocalBuckets(limit, max_clients)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or is_open(scope):
             return await self.app(scope, receive, send)
         address = client_address(scope)
-        if (wait := self.failures.wait(address, time.monotonic())) > 0:
+        if (wait := await self.failures.wait(address)) > 0:
             error = too_many(f"too many failed API keys from this address: {self.limit.capacity} at most, then "
                              f"one every {1 / self.limit.requests_per_second:g} s; retry in {wait:.2f} s", wait)
             return await error_response(error)(scope, receive, send)
 
         async def counting_send(message):
             if message["type"] == "http.response.start" and message["status"] == 401:
-                self.failures.take(address, time.monotonic())
+                await self.failures.take(address)
             await send(message)
 
         await self.app(scope, receive, counting_send)

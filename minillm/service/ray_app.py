@@ -3,9 +3,11 @@
 Two deployments make one Serve application. `LLMServer` (replica.py) runs the engines, one process each.
 `OpenAIIngress` runs chapter 8's app, unchanged, over a `RemoteLLM` (remote_llm.py), behind Serve's HTTP
 proxy; the request router that picks a replica for each request is configured on `LLMServer` and runs in
-the ingress's handle. Serve keeps the replica count (fixed, or autoscaled between bounds on the requests in
-flight per replica) and restarts a replica whose process dies. `RayService` starts all of it and always
-stops all of it.
+the ingress's handle. The ingress tokenizes, applies the chat template, encodes every SSE event and routes, for
+all the replicas: with `ingress_replicas` > 1 it runs in several processes too, and a third deployment,
+`GatewayBuckets`, keeps the rate limits' buckets for all of them. Serve keeps the replica counts (fixed, or the
+engines autoscaled between bounds on the requests in flight per replica) and restarts a replica whose process
+dies. `RayService` starts all of it and always stops all of it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ..weights import DEFAULT_MODEL, resolve_model
 from ..serving.api_server import build_app
 from ..serving.async_llm import STEP_TIMEOUT_S
 from ..serving.launch import API_KEY_ENV
+from .gateway import AUTH_FAILURE_LIMIT, Buckets, RateLimit
 from .ray_cluster import LOOPBACK, QUIET, listen_on_node_ip, require_model_dir, start_ray, start_serve
 from .replica_header import IngressHeaders
 from .remote_llm import RemoteLLM
@@ -44,22 +47,60 @@ DRAIN_S = 30.0  # how long a replica being removed (scaling down, redeploy, stop
 HEALTH_CHECK_PERIOD_S = 2.0  # how soon Serve notices a replica that stopped answering and starts another
 
 
+@serve.deployment(name="GatewayBuckets", num_replicas=1, ray_actor_options={"num_cpus": 0})
+class GatewayBuckets:
+    """The gateway's token buckets for every ingress replica: one process keeps them, so each client's budget holds
+    whichever replica its requests reach. (Budgets split per replica would sum to the limit only if Serve's proxy
+    spread each client's requests evenly, which it does not promise.) A request costs the ingress one call here."""
+
+    def __init__(self, limits: dict[str, RateLimit]):
+        self.maps = {name: Buckets(limit) for name, limit in limits.items()}
+
+    def take(self, name: str, client: str) -> float:
+        return self.maps[name].take(client, time.monotonic())
+
+    def wait(self, name: str, client: str) -> float:
+        return self.maps[name].wait(client, time.monotonic())
+
+
+class SharedBuckets:
+    """One of `GatewayBuckets`' maps, behind the coroutines the gateway's middlewares call (`LocalBuckets`')."""
+
+    def __init__(self, handle, name: str):
+        self.handle, self.name = handle, name
+
+    async def take(self, client: str) -> float:
+        return await self.handle.take.remote(self.name, client)
+
+    async def wait(self, client: str) -> float:
+        return await self.handle.wait.remote(self.name, client)
+
+
 @serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0})
 @serve.ingress()
 class OpenAIIngress:
-    """Chapter 8's app (`build_app`) over the replicas, with `x-minillm-replica` on what they served. The API
-    key, if any, comes in `$MINILLM_API_KEY` (see `build_application`)."""
+    """Chapter 8's app (`build_app`) over the replicas, with `x-minillm-replica` on what they served and
+    `x-minillm-ingress` naming this ingress replica. The API
+    key, if any, comes in `$MINILLM_API_KEY` (see `build_application`); `buckets`, when given, is the
+    `GatewayBuckets` that ingress replicas share."""
 
     def __init__(self, llm, model: str, model_name: str, max_waiting_requests: int | None, app_kw: dict,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, buckets=None):
         listen_on_node_ip()
         require_model_dir(model)
         self.llm = RemoteLLM(llm, model, max_waiting_requests, max_model_len)
-        self.model_name, self.app_kw = model_name, app_kw
+        self.model_name, self.app_kw, self.buckets = model_name, app_kw, buckets
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+
+    def process(self) -> tuple[str, int]:
+        """This ingress replica's id and process id."""
+        return self.replica_id, os.getpid()
 
     def __serve_build_asgi_app__(self):
-        app = build_app(self.llm, self.model_name, api_key=os.environ.get(API_KEY_ENV) or None, **self.app_kw)
-        app.add_middleware(IngressHeaders)
+        shared = None if self.buckets is None else (lambda name: SharedBuckets(self.buckets, name))
+        app = build_app(self.llm, self.model_name, api_key=os.environ.get(API_KEY_ENV) or None,
+                        shared_buckets=shared, **self.app_kw)
+        app.add_middleware(IngressHeaders, ingress_id=self.replica_id)
         return app
 
 
@@ -80,7 +121,8 @@ def replica_resources(engine_args: EngineArgs, max_replicas: int) -> tuple[int, 
 def build_application(engine_args: EngineArgs, replicas: int = 2, router: str | None = None,
                       router_options: dict | None = None, autoscaling: dict | None = None, model_name: str | None = None,
                       max_waiting_requests: int | None = 256, drain_seconds: float = DRAIN_S,
-                      step_timeout_s: float | None = STEP_TIMEOUT_S, **app_kw) -> serve.Application:
+                      step_timeout_s: float | None = STEP_TIMEOUT_S, ingress_replicas: int = 1,
+                      **app_kw) -> serve.Application:
     """The Serve application: `replicas` engines (or `autoscaling`, Serve's AutoscalingConfig fields, starting
     at `replicas`; `min_replicas` 0 lets Serve remove every replica of an idle service), routed by `router`
     (a name in `routers.ROUTERS`; None: Serve's default; `router_options`: its policy's keywords, such as the
@@ -88,9 +130,13 @@ def build_application(engine_args: EngineArgs, replicas: int = 2, router: str | 
     `step_timeout_s` fails its health check. A replica that Serve removes (scaling down, a redeploy, a stop)
     first lets its requests in flight run for up to `drain_seconds` (Serve's graceful shutdown). `app_kw` goes
     to `build_app` (limits, api_key, allowed_origins, rate_limit); the API key goes to the ingress in its
-    environment, not among the deployment's arguments, which Serve shows (`serve status`, the dashboard)."""
+    environment, not among the deployment's arguments, which Serve shows (`serve status`, the dashboard).
+    `ingress_replicas`: processes running the ingress (tokenizing, SSE, routing); more than one share their
+    rate limits' buckets through `GatewayBuckets`."""
     if replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {replicas}")
+    if not isinstance(ingress_replicas, int) or ingress_replicas < 1:
+        raise ValueError(f"ingress_replicas must be a whole number of at least 1, got {ingress_replicas!r}")
     scales_to_zero = bool(autoscaling) and autoscaling.get("min_replicas", 1) < 1
     if scales_to_zero and engine_args.num_kv_blocks is None:
         raise ValueError("min_replicas 0 (scale to zero) needs num_kv_blocks (--num-kv-blocks): with no replica "
@@ -118,11 +164,17 @@ def build_application(engine_args: EngineArgs, replicas: int = 2, router: str | 
                                             step_timeout_s)
     name = model_name or (path.name if engine_args.model else DEFAULT_MODEL)
     key = {"runtime_env": {"env_vars": {API_KEY_ENV: app_kw.pop("api_key", None) or ""}}}
-    return OpenAIIngress.options(max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+    buckets = None
+    if ingress_replicas > 1:
+        limits = {"auth failures": app_kw.get("auth_failure_limit", AUTH_FAILURE_LIMIT)}
+        if app_kw.get("rate_limit") is not None:
+            limits["requests"] = app_kw["rate_limit"]
+        buckets = GatewayBuckets.options(logging_config={"log_level": QUIET}).bind(limits)
+    return OpenAIIngress.options(num_replicas=ingress_replicas, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
                                  ray_actor_options={"num_cpus": 0, **key},
                                  graceful_shutdown_timeout_s=drain_seconds, graceful_shutdown_wait_loop_s=0.1,
                                  logging_config={"log_level": QUIET}).bind(
-        llm, str(path), name, max_waiting_requests, app_kw, max_model_len)
+        llm, str(path), name, max_waiting_requests, app_kw, max_model_len, buckets)
 
 
 def deploy(app: serve.Application, timeout_s: float) -> None:
@@ -233,6 +285,14 @@ class RayService:
         if self.url is None:  # Serve would start a fresh Ray instance to look for the application
             raise RuntimeError("the service is not running: start() it first")
 
+    def ingress_pids(self) -> dict[str, int]:
+        """Each live ingress replica's process id, by its replica id (what `x-minillm-ingress` names)."""
+        self._check_running()
+        handle = serve.get_deployment_handle(OpenAIIngress.name, APP_NAME)
+        with ThreadPoolExecutor(1) as pool:  # as `replica_stats`: Serve will not block inside an event loop
+            results = pool.submit(lambda: handle.broadcast("process").results(timeout_s=30, return_exceptions=True))
+            return dict(r for r in results.result() if isinstance(r, tuple))
+
     def kill_replica(self, replica_id: str | None = None) -> dict:
         """Kill one replica's process (SIGKILL, as a crash would), by id or the first found; returns its stats.
         Serve starts a replacement. Local instances only: the pid is this machine's."""
@@ -258,7 +318,7 @@ def serve_on_ray(args, autoscaling: dict | None, app_kw: dict) -> int:
                          replicas=args.replicas, router=args.router,
                          autoscaling=autoscaling, model_name=name,
                          max_waiting_requests=args.max_waiting_requests, drain_seconds=args.drain_seconds,
-                         step_timeout_s=args.step_timeout or None, **app_kw)
+                         step_timeout_s=args.step_timeout or None, ingress_replicas=args.ingress_replicas, **app_kw)
     try:
         service.start()
     except KeyboardInterrupt:  # Ctrl-C while the replicas load: start() has already stopped what it began
@@ -271,6 +331,8 @@ def serve_on_ray(args, autoscaling: dict | None, app_kw: dict) -> int:
         signal.signal(sig, lambda *_: stopping.set())
     scaling = (f"{args.replicas} replicas" if not args.max_replicas
                else f"{args.replicas} replicas (autoscaled up to {args.max_replicas})")
+    if args.ingress_replicas > 1:
+        scaling += f" behind {args.ingress_replicas} ingress replicas"
     print(f"minillm: serving {name} at {service.url}/v1 with {scaling} on Ray Serve "
           f"(router: {args.router or 'power of two choices'}); Ctrl-C to stop", flush=True)
     try:

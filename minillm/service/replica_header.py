@@ -1,4 +1,5 @@
-"""Chapter 9 — which replica served a response: the `x-minillm-replica` header, added at the ingress.
+"""Chapter 9 — which replica served a response: the `x-minillm-replica` header, added at the ingress (and which
+ingress replica handled it: `x-minillm-ingress`).
 
 A response may come from any replica, and a client (or a benchmark of routers) wants to know which. Each
 engine call made while one HTTP request is handled puts itself in `REPLICAS`, with a future of its replica's
@@ -21,11 +22,12 @@ REPLICA_WAIT_S = 2.0  # a warm replica names itself in milliseconds; a cold star
 
 class IngressHeaders:
     """ASGI middleware at the ingress: `x-minillm-replica` names the replica(s) that served a response's requests
-    (none if it reached none, or none had named itself within `REPLICA_WAIT_S` of a stream's start), and
-    `x-request-id` is left to Serve's proxy, which adds one to every response itself (with the same id)."""
+    (none if it reached none, or none had named itself within `REPLICA_WAIT_S` of a stream's start),
+    `x-minillm-ingress` the ingress replica (`ingress_id`, if given), and `x-request-id` is left to Serve's proxy,
+    which adds one to every response itself (with the same id)."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, ingress_id: str | None = None):
+        self.app, self.ingress = app, None if ingress_id is None else ingress_id.encode("latin-1")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -43,6 +45,8 @@ class IngressHeaders:
                     ids = [c.replica.result() for c in calls if c.replica.done() and c.replica.result() is not None]
                     if ids:
                         headers.append((b"x-minillm-replica", ",".join(dict.fromkeys(ids)).encode("latin-1")))
+                    if self.ingress is not None:
+                        headers.append((b"x-minillm-ingress", self.ingress))
                     message = {**message, "headers": headers}
                 await send(message)
 

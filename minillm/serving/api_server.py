@@ -87,7 +87,8 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
               max_body_bytes: int = MAX_BODY_BYTES, on_started: Callable[[], None] | None = None,
               rate_limit: RateLimit | None = None, auth_failure_limit: RateLimit = AUTH_FAILURE_LIMIT,
               allowed_hosts: Sequence[str] = LOOPBACK_HOSTS, body_timeout_s: float = BODY_TIMEOUT_S,
-              enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
+              enable_tokenizer_info_endpoint: bool = False,
+              shared_buckets: Callable[[str], object] | None = None) -> FastAPI:
     """The app; its lifespan starts the engine loop (then calls `on_started`) and stops it at shutdown.
 
     `api_key`: every route but /health, /metrics and /version needs it as a bearer token; several keys (a list,
@@ -96,7 +97,9 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
     `rate_limit`: each client's token bucket (chapter 9's gateway), keyed by its key when there are several,
     else by its address. `allowed_hosts`: the Host header names answered (default: loopback ones; `*`: any).
     `body_timeout_s`: how long a request body may take to arrive (408 beyond). `enable_tokenizer_info_endpoint`:
-    serve /tokenizer_info (it shows the chat template; off by default, as vLLM).
+    serve /tokenizer_info (it shows the chat template; off by default, as vLLM). `shared_buckets`: where the
+    gateway keeps its buckets when several ingress replicas share them ("requests", "auth failures" -> a map
+    with `take` and `wait` coroutines, as `gateway.LocalBuckets`); default: in this process.
     """
     served = Served(llm, model_name, limits or ServerLimits())
     metrics = ServerMetrics(llm, model_name)
@@ -114,10 +117,12 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
     app = FastAPI(title="minillm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
     if rate_limit is not None:
-        app.add_middleware(RateLimiter, limit=rate_limit)
+        app.add_middleware(RateLimiter, limit=rate_limit,
+                           buckets=shared_buckets("requests") if shared_buckets else None)
     if api_key:
         app.add_middleware(ApiKeyAuth, keys=api_keys(api_key))
-        app.add_middleware(AuthFailureLimit, limit=auth_failure_limit)
+        app.add_middleware(AuthFailureLimit, limit=auth_failure_limit,
+                           failures=shared_buckets("auth failures") if shared_buckets else None)
     app.add_middleware(HostCheck, allowed=host_patterns(allowed_hosts))
     app.add_middleware(RequestId)
     if allowed_origins:

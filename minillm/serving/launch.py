@@ -224,6 +224,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scale.add_argument("--router", default=None,
                        help="how a request picks its replica: round_robin, least_loaded, prefix or session "
                             "(default: Serve's, power of two choices)")
+    scale.add_argument("--ingress-replicas", type=int, default=1, metavar="N",
+                       help="processes running the ingress (tokenizing, SSE encoding, routing) on Ray Serve; "
+                            "more than 1 keep the rate limits in one shared store (default: 1)")
     scale.add_argument("--ray-address", default=None, metavar="ADDR",
                        help="join this Ray cluster (auto, or HOST:PORT) instead of starting a local instance; "
                             "with token authentication (Ray's default) set RAY_AUTH_MODE=token and its token")
@@ -294,10 +297,13 @@ def serve(args: argparse.Namespace) -> int:
     autoscaling = autoscaling_from_cli(args)
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
-    on_ray = args.replicas > 1 or args.ray_address is not None or autoscaling is not None
+    if args.ingress_replicas < 1:
+        raise ValueError(f"--ingress-replicas must be at least 1, got {args.ingress_replicas}")
+    on_ray = (args.replicas > 1 or args.ingress_replicas > 1 or args.ray_address is not None
+              or autoscaling is not None)
     if on_ray and args.pd is not None:
         raise ValueError("--pd serves one pool of prefill and decode processes on this machine, without Ray: drop "
-                         "--replicas, --ray-address and the autoscaling flags")
+                         "--replicas, --ingress-replicas, --ray-address and the autoscaling flags")
     if on_ray:
         from ..service.ray_app import serve_on_ray
 

@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install test test-portable unit grade-check nbval book mathjax widgets check-book lab grade generate clean
+.PHONY: install test test-portable test-extras unit grade-check nbval book mathjax widgets check-book lab grade generate clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,15 @@ test: $(STAMP)
 # beside a process spinning on one core. About 40 minutes on 2 cores; not part of `make test` (CI's budget).
 test-portable: $(STAMP)
 	bash scripts/test_portable.sh "$(SHARED_CHAPTERS)" "$(ALONE_CHAPTERS)"
+
+# Chapter 9's KServe predictor and Triton Inference Server, each in an environment of its own (their pins clash with
+# the main one's): builds .venv-kserve and .venv-triton the first time (minutes, about a GB each), then runs their
+# tests there. Not part of `make test`, where both are skipped.
+test-extras: $(STAMP)
+	for extra in kserve triton; do \
+	  test -x .venv-$$extra/bin/python || bash scripts/extra_env.sh $$extra || exit 1; \
+	  PYTHONPATH=. .venv-$$extra/bin/python -m pytest -q -p no:cacheprovider tests/test_$$extra.py || exit 1; \
+	done
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 -m "not slow" tests

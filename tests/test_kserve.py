@@ -1,6 +1,7 @@
 """Chapter 9 — minillm's KServe predictor under KServe's own ModelServer (127.0.0.1, a child process) answers as
 minillm's server does: the same greedy text through the official openai client and through KServe's V1 predict.
-Skipped where kserve is not installed: it needs an environment of its own (`scripts/kserve_env.sh` makes one)."""
+Skipped where kserve is not installed: it needs an environment of its own (`make test-extras` makes one and
+runs this there)."""
 
 from __future__ import annotations
 

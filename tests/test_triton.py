@@ -1,6 +1,7 @@
 """Chapter 9 — minillm behind Triton Inference Server (PyTriton): the same greedy tokens as `LLM.generate`, for
 prompts that Triton's dynamic batcher groups, and a bad prompt refused with a clear error while the server
-keeps serving. Skipped without `pip install minillm[triton]`."""
+keeps serving. Skipped without the triton extra, which needs an environment of its own (`make test-extras` makes
+one and runs this there)."""
 
 from __future__ import annotations
 

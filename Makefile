@@ -39,7 +39,7 @@ test-portable: $(STAMP)
 	bash scripts/test_portable.sh "$(SHARED_CHAPTERS)" "$(ALONE_CHAPTERS)"
 
 # Chapter 9's KServe predictor and Triton Inference Server, each in an environment of its own (their pins clash with
-# the main one's): builds .venv-kserve and .venv-triton the first time (minutes, about a GB each), then runs their
+# the main one's): builds .venv-kserve and .venv-triton the first time (about 2 minutes and 3 GB each here), then runs their
 # tests there. Not part of `make test`, where both are skipped.
 test-extras: $(STAMP)
 	for extra in kserve triton; do \

@@ -131,11 +131,12 @@ class BlockManager:
             seq.block_table.append(self._take_free())
         return copies
 
-    def commit(self, seq: Sequence) -> None:
-        """Hash and index every block whose tokens are now all computed, so later requests can share it."""
+    def commit(self, seq: Sequence, tokens: list[int] | None = None) -> None:
+        """Hash and index every block whose tokens are now all computed, so later requests can share it. `tokens`:
+        the sequence's tokens with those computed but not yet appended (chapter 10's kept drafts)."""
         if not self.enable_prefix_caching:
             return
-        tokens = seq.token_ids
+        tokens = seq.token_ids if tokens is None else tokens
         for i in range(len(seq.block_hashes), seq.num_cached_tokens // self.block_size):
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             h = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, chunk)

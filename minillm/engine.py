@@ -4,6 +4,10 @@ Chapter 9 adds prefill/decode disaggregation (vLLM's KV connector): with a `kv_c
 `do_remote_decode` stops after its first token and its output carries a handle (`kv_transfer_params`) while its
 blocks stay held for another instance to pull; a request added with `remote_prefill=handle` waits, blocks
 allocated, until the pulled K/V are installed, then decodes from the handle's first token. The step does both.
+
+Chapter 10 adds speculative decoding (`speculative_config`): before each step the drafter proposes tokens for every
+decoding sequence that may speculate, the step checks them, and a sequence takes the drafts kept and one more
+token; the K/V of rejected drafts are simply not counted as computed, so the next step overwrites them.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from .quant import quantize_model
 from .sampling import SamplingParams, TokenLogprobs, bad_words_token_ids, check_token_ids, check_truncate_prompt_tokens
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, claim_request_id
+from .spec_decode import SpeculativeConfig, propose_ngram, speculates
 from .threads import configure_threads
 from .weights import check_architecture, resolve_model
 
@@ -120,6 +125,10 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.speculative_config = SpeculativeConfig.parse(args.speculative_config)
+        k = self.speculative_config.num_speculative_tokens if self.speculative_config else 0
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0  # chapter 10's counters (vLLM's)
+        self.accepted_per_position = [0] * k  # how often the draft at each position was kept
         self.kv_connector: KVConnector | None = None  # chapter 9: set by an instance of a prefill/decode pair
         # Requests can be added and aborted from any thread; `step` runs in one thread at a time and takes
         # new requests and aborts between forward passes, so the scheduler is only touched inside a step.
@@ -336,6 +345,7 @@ class LLMEngine:
             outputs, self._ready = self._ready + self._apply_aborts(), []
             if self.kv_connector is not None:
                 outputs += self._finish_kv_transfers()
+            self._propose()
             scheduled = self.scheduler.schedule()
             for seq in scheduled.kv_loads:
                 self.kv_connector.start_load_kv(seq)
@@ -343,18 +353,40 @@ class LLMEngine:
                 results = self.runner.run(scheduled)
                 outputs += self._apply_aborts()  # aborted while the forward pass ran: their tokens are dropped
                 outputs += self._update(scheduled, results)
+            for seq in scheduled.seqs:
+                seq.draft_token_ids.clear()
         return outputs
+
+    def _propose(self) -> None:
+        """Draft the next tokens of every running sequence that decodes and may speculate (chapter 10), at most as
+        many as its length limits leave room for after the token the step adds anyway."""
+        config = self.speculative_config
+        if config is None:
+            return
+        for seq in self.scheduler.running:
+            room = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
+            eligible = seq.num_uncomputed_tokens == 1 and room >= 1 and speculates(seq.params,
+                                                                                    len(seq.output_token_ids))
+            seq.draft_token_ids = propose_ngram(seq.token_ids, min(config.num_speculative_tokens, room),
+                                                config.prompt_lookup_min, config.prompt_lookup_max) if eligible else []
 
     def _update(self, scheduled: SchedulerOutput, results: list[SeqResult]) -> list[RequestOutput]:
         """Commit the step's K/V, append the new tokens, finish what is done; the outputs to report."""
         now = time.perf_counter()
+        kept = {id(r.seq): [t for t, _ in r.accepted] for r in results if r.seq.draft_token_ids}
         for seq, n in zip(scheduled.seqs, scheduled.num_new_tokens):
             if not seq.is_finished:
-                seq.num_cached_tokens += n
-                self.block_manager.commit(seq)
+                drafts = kept.get(id(seq))
+                if drafts is None:
+                    seq.num_cached_tokens += n
+                    self.block_manager.commit(seq)
+                else:  # the last token and the kept drafts are computed; a rejected draft's K/V are not
+                    seq.num_cached_tokens += 1 + len(drafts)
+                    self.block_manager.commit(seq, seq.token_ids + drafts)
+                    self._count_drafts(len(seq.draft_token_ids), len(drafts))
         touched: dict[str, RequestState] = {}
         handles: dict[str, KVTransferParams] = {}
-        for seq, token, logprobs, prompt_logprobs, failed in results:
+        for seq, token, logprobs, prompt_logprobs, failed, accepted in results:
             if seq.is_finished:
                 continue
             if prompt_logprobs:
@@ -366,11 +398,23 @@ class LLMEngine:
                 self.output_processor.on_abort(seq)
             elif token is None:
                 continue  # a prompt chunk: no token yet
-            elif (handle := self._take_token(seq, token, logprobs, now)) is not None:
-                handles[seq.request_id] = handle
+            else:
+                for draft, draft_logprobs in accepted:  # the drafts kept come first (chapter 10)
+                    self._take_token(seq, draft, draft_logprobs, now)
+                    if seq.is_finished:
+                        break
+                if not seq.is_finished and (handle := self._take_token(seq, token, logprobs, now)) is not None:
+                    handles[seq.request_id] = handle
             state = seq.completion.request
             touched[state.request_id] = state
         return self._outputs(touched, now, handles)
+
+    def _count_drafts(self, drafted: int, kept: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += kept
+        for position in range(kept):
+            self.accepted_per_position[position] += 1
 
     def _take_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None,
                     when: float) -> KVTransferParams | None:
@@ -434,6 +478,10 @@ class LLMEngine:
             "kv_cache_dtype": self.kv_cache_dtype,
             "tensor_parallel_size": self.parallel.tensor_parallel_size,
             "pipeline_parallel_size": self.parallel.pipeline_parallel_size,
+            "spec_decode_num_drafts": self.num_drafts,  # sequence-steps that checked drafts
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_position),
         }
 
 

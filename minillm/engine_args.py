@@ -18,6 +18,7 @@ import torch
 
 from .kv_cache import KV_CACHE_DTYPES
 from .quant import QUANTIZATIONS
+from .spec_decode import SpeculativeConfig
 
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -55,6 +56,8 @@ class EngineArgs:
                                          "program already set, else every core where OpenMP's waiting threads "
                                          "sleep, as under `python -m minillm`, all but one otherwise)",
                                    flag="--threads")
+    speculative_config: str | dict | None = _arg(None, "speculative decoding (chapter 10), vLLM's JSON, e.g. "
+                                                       '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
@@ -63,6 +66,7 @@ class EngineArgs:
         for name in ("num_kv_blocks", "num_threads", "quantization_group_size"):
             if getattr(self, name) is not None:
                 _check_count(name, getattr(self, name))
+        SpeculativeConfig.parse(self.speculative_config)  # refused here, before any weight loads
         for f in dataclasses.fields(self):
             choices = f.metadata["choices"]
             value = getattr(self, f.name)

@@ -1,5 +1,9 @@
 """Chapter 4 — the model runner, which turns a scheduled step into tensors, runs one forward pass over it and
-samples the next tokens."""
+samples the next tokens.
+
+Chapter 10: a sequence with drafts gets logits at every position it ran, and keeps the drafts its model agrees with
+(`spec_decode.accept`) before its own next token.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from .parallel.pipeline import StepPlan
 from .sampling import TokenLogprobs, apply_masks, apply_penalties, logprobs_of, sample
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
+from .spec_decode import accept
 
 
 class ModelRunner:
@@ -46,7 +51,7 @@ class ModelRunner:
         ids, positions, slots = [], [], []
         for seq, n in zip(seqs, num_new_tokens):
             start = seq.num_cached_tokens
-            ids.extend(seq.token_ids[start:start + n])
+            ids.extend(seq.next_token_ids(n))
             positions.extend(range(start, start + n))
             slots.extend(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
                          for p in range(start, start + n))
@@ -82,13 +87,15 @@ class ModelRunner:
     def _micro_batch(self, seqs: list[Sequence], num_new_tokens: list[int], done: list[bool],
                      scored: list[range]) -> MicroBatch:
         """Pack sequences (in the given order) with the rows whose logits are wanted: the prompt positions that
-        are scored, and the last token of each sequence whose whole context is now computed."""
+        are scored, the last token of each sequence whose whole context is now computed, and with drafts, every
+        position from its last token on."""
         ids, positions, meta, _ = self.prepare(seqs, num_new_tokens)
         indices = None  # the model's default: every sequence's last new token
-        if not all(done) or any(scored):
+        if not all(done) or any(scored) or any(s.draft_token_ids for s in seqs):
             rows, start = [], 0
             for s, n, d, pos in zip(seqs, num_new_tokens, done, scored):
-                rows += [start + p - s.num_cached_tokens for p in pos] + ([start + n - 1] if d else [])
+                last = len(s.draft_token_ids) + 1 if d else 0
+                rows += [start + p - s.num_cached_tokens for p in pos] + list(range(start + n - last, start + n))
                 start += n
             indices = torch.tensor(rows, dtype=torch.long, device=self.device)
         return MicroBatch(ids, positions, meta, indices)
@@ -101,35 +108,52 @@ class ModelRunner:
         """
         order = sorted(range(len(step.seqs)), key=lambda i: step.num_new_tokens[i] == 1)  # prefills first
         seqs, nums = [step.seqs[i] for i in order], [step.num_new_tokens[i] for i in order]
-        done = [s.num_cached_tokens + n == s.num_tokens for s, n in zip(seqs, nums)]
+        done = [s.num_cached_tokens + n == s.num_tokens + len(s.draft_token_ids) for s, n in zip(seqs, nums)]
         scored = [s.prompt_logprob_positions(n) for s, n in zip(seqs, nums)]
         parts = 1 if self.executor is None else min(len(seqs), self.executor.num_micro_batches)
         bounds = [len(seqs) * i // parts for i in range(parts + 1)]
         batches = [self._micro_batch(seqs[a:b], nums[a:b], done[a:b], scored[a:b])
                    for a, b in zip(bounds, bounds[1:])]
         logits = self.execute(batches, step.block_copies)
-        sample_rows, row = [], 0
-        for d, pos in zip(done, scored):
+        sample_rows, draft_rows, row = [], {}, 0  # draft_rows: sequence index -> its rows, last token on
+        for i, (s, d, pos) in enumerate(zip(seqs, done, scored)):
             row += len(pos)
-            if d:
+            if d and s.draft_token_ids:
+                draft_rows[i] = range(row, row + len(s.draft_token_ids) + 1)
+                row += len(s.draft_token_ids) + 1
+            elif d:
                 sample_rows.append(row)
                 row += 1
-        sampled = [s for s, d in zip(seqs, done) if d]
+        sampled = [s for i, (s, d) in enumerate(zip(seqs, done)) if d and i not in draft_rows]
         sample_logits = logits if len(sample_rows) == len(logits) else logits[sample_rows]
         tokens = sample(apply_penalties(apply_masks(sample_logits, sampled), sampled), [s.params for s in sampled],
                         [s.generator for s in sampled]) if sampled else []
         token_logprobs = self._token_logprobs(sample_logits, sampled, tokens)  # the model's own distribution
         results, row, it = [], 0, iter(zip(tokens, token_logprobs))
-        for s, d, pos in zip(seqs, done, scored):
+        for i, (s, d, pos) in enumerate(zip(seqs, done, scored)):
             prompt_lps = []
             if pos:
                 targets = s.token_ids[pos.start + 1:pos.stop + 1]
                 prompt_lps = logprobs_of(logits[row:row + len(pos)], targets, s.params.prompt_logprobs)
                 row += len(pos)
+            if i in draft_rows:
+                results.append(self._verify(s, logits[draft_rows[i].start:draft_rows[i].stop], prompt_lps))
+                row += len(draft_rows[i])
+                continue
             token, lp = next(it) if d else (None, None)
             row += d
             results.append(SeqResult(s, token, lp, prompt_lps, failed=d and token is None))
         return results
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor, prompt_lps: list[TokenLogprobs]) -> SeqResult:
+        """A sequence with drafts: the drafts its model keeps, then its own token (chapter 10)."""
+        tokens = accept(seq.draft_token_ids, apply_masks(logits, [seq] * len(logits)), seq.params, seq.generator)
+        if tokens is None:
+            return SeqResult(seq, None, None, prompt_lps, failed=True)
+        lps = [None] * len(tokens)
+        if seq.params.logprobs is not None:
+            lps = logprobs_of(logits[:len(tokens)], tokens, seq.params.logprobs)
+        return SeqResult(seq, tokens[-1], lps[-1], prompt_lps, accepted=tuple(zip(tokens[:-1], lps[:-1])))
 
     @staticmethod
     def _token_logprobs(logits: torch.Tensor, seqs: list[Sequence],
@@ -155,3 +179,4 @@ class SeqResult(NamedTuple):
     logprobs: TokenLogprobs | None  # of `token`, when the request asked for logprobs
     prompt_logprobs: list[TokenLogprobs]  # of the prompt tokens this step scored (prompt_logprobs)
     failed: bool = False  # its logits had no finite top value: nothing to sample, the sequence ends with "error"
+    accepted: tuple[tuple[int, TokenLogprobs | None], ...] = ()  # drafts kept before `token` (chapter 10)

@@ -8,6 +8,9 @@ siblings of an n > 1 request wait until the first has computed the shared prompt
 finished sequence leaves at once and frees its blocks; when blocks run out anyway, the newest running
 sequence is preempted (its blocks freed, to be recomputed later).
 
+A decoding sequence with drafts (chapter 10's speculative decoding) runs its last token and its drafts in one
+step, as many as the budget allows; drafts that do not fit are dropped.
+
 A decode whose prompt another instance prefilled (chapter 9) is admitted like any other request, but instead
 of running it waits in `loading` (WAITING_FOR_REMOTE_KVS) with its blocks allocated, until the engine has
 installed the K/V it pulled; then it runs from its first token.
@@ -65,7 +68,8 @@ class Scheduler:
                 break
             if seq not in self.running:
                 continue  # preempted below to make room for an older one
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens + len(seq.draft_token_ids), budget)
+            del seq.draft_token_ids[max(0, n - seq.num_uncomputed_tokens):]  # the drafts that fit run
             while not bm.can_grow(seq, seq.num_cached_tokens + n) and seq in self.running:
                 self._preempt(self.running[-1])
             if seq in self.running:
@@ -96,6 +100,7 @@ class Scheduler:
         """Free a running sequence's blocks and send it back to the front of the queue to be recomputed."""
         self.running.remove(seq)
         self.block_manager.free(seq)
+        seq.draft_token_ids.clear()
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

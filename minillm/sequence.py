@@ -62,6 +62,8 @@ class Sequence:
     # and a decode whose prompt's K/V another instance computed (cleared once they are installed here)
     do_remote_decode: bool = False
     remote_prefill: KVTransferParams | None = None
+    # chapter 10: tokens a drafter proposed to follow this one, checked by this step's forward pass
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -74,6 +76,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def next_token_ids(self, n: int) -> list[int]:
+        """The next `n` tokens to run through the model: those not computed yet, then this step's drafts."""
+        start = self.num_cached_tokens
+        return (self.token_ids + self.draft_token_ids)[start:start + n]
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -16,7 +16,8 @@ FIELDS = [f.name for f in dataclasses.fields(EngineArgs)]
 CHANGED = {"model": "/some/model", "device": "cpu", "dtype": "bfloat16", "load_format": "dummy", "block_size": 8,
            "num_kv_blocks": 32, "max_num_seqs": 3, "max_num_batched_tokens": 512, "enable_prefix_caching": False,
            "quantization": "int4", "quantization_group_size": 32, "kv_cache_dtype": "int8",
-           "tensor_parallel_size": 2, "pipeline_parallel_size": 3, "enable_expert_parallel": True, "num_threads": 1}
+           "tensor_parallel_size": 2, "pipeline_parallel_size": 3, "enable_expert_parallel": True, "num_threads": 1,
+           "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}'}
 
 
 def test_every_field_has_a_changed_value_here():
@@ -47,7 +48,8 @@ def test_every_command_line_takes_every_engine_parameter(command):
                                         ({"quantization": "int3"}, "quantization"),
                                         ({"kv_cache_dtype": "float8"}, "kv_cache_dtype"),
                                         ({"load_format": "pt"}, "load_format"), ({"num_threads": 0}, "num_threads"),
-                                        ({"tensor_parallel_size": 1.5}, "tensor_parallel_size")])
+                                        ({"tensor_parallel_size": 1.5}, "tensor_parallel_size"),
+                                        ({"speculative_config": '{"method": "x"}'}, "speculative_config")])
 def test_bad_values_are_named_before_anything_loads(bad, field):
     with pytest.raises(ValueError, match=field):
         LLMEngine("/no/such/model", **bad)  # the path would fail later: the field is checked first

@@ -95,7 +95,18 @@ class _EngineCounters:
                  stats["prefix_cache_query_tokens"]),
                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats["prefix_cache_hit_tokens"]),
                 ("request_retries", "Requests sent again after their replica failed before any output (chapter 9's "
-                 "service; 0 for one engine).", stats.get("num_retries", 0))):
+                 "service; 0 for one engine).", stats.get("num_retries", 0)),
+                ("spec_decode_num_drafts", "Sequence-steps that checked drafted tokens (chapter 10).",
+                 stats.get("spec_decode_num_drafts", 0)),
+                ("spec_decode_num_draft_tokens", "Tokens drafted.", stats.get("spec_decode_num_draft_tokens", 0)),
+                ("spec_decode_num_accepted_tokens", "Drafted tokens the model kept.",
+                 stats.get("spec_decode_num_accepted_tokens", 0))):
             family = CounterMetricFamily(PREFIX + name, doc, labels=list(self.labels))
             family.add_metric(list(self.labels.values()), value)
             yield family
+        per_position = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                           "Drafted tokens kept, by their position among a step's drafts.",
+                                           labels=[*self.labels, "position"])
+        for position, value in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos", [])):
+            per_position.add_metric([*self.labels.values(), str(position)], value)
+        yield per_position

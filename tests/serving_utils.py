@@ -1,10 +1,15 @@
 """Helpers for server tests: start a server on 127.0.0.1, a client from a given local address, a tokenizer that
-holds a prompt until released, read an SSE stream, scrape /metrics, collect the server's log."""
+holds a prompt until released, read an SSE stream, scrape /metrics, collect the server's log, run `serve` as a
+process."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import queue
+import subprocess
+import sys
 import threading
 import time
 
@@ -129,3 +134,28 @@ class Records(logging.Handler):
 
     def emit(self, record):
         self.records.append(record)
+
+
+class Served:
+    """A `python -m minillm serve` child process on 127.0.0.1 and a free port; always killed at the end."""
+
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--port", "0", "--device", "cpu",
+                                      "--threads", "1", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout], daemon=True).start()
+        self.ready = lines.get(timeout=180)  # the line it prints once it serves
+        assert " at http://127.0.0.1:" in self.ready, self.ready
+        self.url = self.ready.split(" at ")[1].split()[0]  # http://127.0.0.1:PORT/v1
+
+    def stop(self, sig: int, timeout: float = 60) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+        self.proc.stderr.close()

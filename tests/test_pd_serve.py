@@ -18,7 +18,7 @@ import pytest
 from minillm import LLMEngine
 from minillm.disagg import PDPair
 from minillm.serving import AsyncLLM, ServerThread, build_app
-from serving_utils import serve_engine, wait_for
+from serving_utils import Served, serve_engine, wait_for
 
 pytestmark = pytest.mark.slow
 ENGINE = dict(device="cpu", block_size=4, num_kv_blocks=128, max_num_batched_tokens=64)
@@ -106,29 +106,21 @@ def test_a_killed_decode_instance_ends_the_stream_with_an_error_and_stops_the_se
 
 def test_serve_pd_streams_through_the_openai_client(tiny_llama, reference):
     chats, _ = reference
-    proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", str(tiny_llama), "--port", "0",
-                             "--device", "cpu", "--threads", "2", "--pd", "1:1", "--block-size", "4",
-                             "--num-kv-blocks", "128", "--served-model-name", "test-model"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    srv = None
     try:
-        line = proc.stdout.readline()
-        assert "(1 prefill + 1 decode instances)" in line, line + proc.stderr.read() if proc.poll() else line
-        url = line.split(" at ")[1].split()[0].removesuffix("/v1")
-        instances = psutil.Process(proc.pid).children()
+        srv = Served("--model", str(tiny_llama), "--threads", "2", "--pd", "1:1", "--block-size", "4",
+                     "--num-kv-blocks", "128", "--served-model-name", "test-model")
+        assert "(1 prefill + 1 decode instances)" in srv.ready, srv.ready
+        instances = psutil.Process(srv.proc.pid).children()
         assert len(instances) >= 2
-        text, chunks = chat_stream(url, CHATS[0])
+        text, chunks = chat_stream(srv.url.removesuffix("/v1"), CHATS[0])
         assert text == chats[CHATS[0]] and chunks > 1
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
+        assert srv.stop(signal.SIGTERM) == 0
         psutil.wait_procs(instances, timeout=15)
         assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in instances)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+        if srv is not None:
+            srv.close()
 
 
 def test_pd_flag_is_checked_before_anything_loads():

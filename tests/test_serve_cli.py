@@ -3,44 +3,17 @@ taking requests, ends open streams cleanly (a final chunk, then [DONE]) and exit
 `python -m minillm bench` drives it and saves vLLM's metric set."""
 
 import json
-import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 
 import httpx
 import pytest
 
 from conftest import requires_default_model
+from serving_utils import Served
 
 pytestmark = [pytest.mark.slow, requires_default_model]
-
-
-class Served:
-    """A `python -m minillm serve` child process on 127.0.0.1 and a free port; always killed at the end."""
-
-    def __init__(self, *args: str):
-        self.proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--port", "0", "--device", "cpu",
-                                      "--threads", "1", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout], daemon=True).start()
-        line = lines.get(timeout=180)
-        assert " at http://127.0.0.1:" in line, line
-        self.url = line.split(" at ")[1].split()[0]  # http://127.0.0.1:PORT/v1
-
-    def stop(self, sig: int, timeout: float = 60) -> int:
-        self.proc.send_signal(sig)
-        return self.proc.wait(timeout)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc.stdout.close()
-        self.proc.stderr.close()
 
 
 @pytest.fixture

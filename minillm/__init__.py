@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {"LLM": ".llm", "LLMEngine": ".engine", "EngineArgs": ".engine_args", "SamplingParams": ".sampling",
-            "RequestOutputKind": ".sampling", "RequestOutput": ".outputs", "CompletionOutput": ".outputs",
-            "Logprob": ".outputs"}
+            "RequestOutputKind": ".sampling", "StructuredOutputsParams": ".sampling", "RequestOutput": ".outputs",
+            "CompletionOutput": ".outputs", "Logprob": ".outputs"}
 __all__ = list(_EXPORTS)
 
 

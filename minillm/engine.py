@@ -7,7 +7,9 @@ allocated, until the pulled K/V are installed, then decodes from the handle's fi
 
 Chapter 10 adds speculative decoding (`speculative_config`): before each step the drafter proposes tokens for every
 decoding sequence that may speculate, the step checks them, and a sequence takes the drafts kept and one more
-token; the K/V of rejected drafts are simply not counted as computed, so the next step overwrites them.
+token; the K/V of rejected drafts are simply not counted as computed, so the next step overwrites them. It also adds
+structured output: a request's grammar is compiled when it is added (`compile_grammar`), each of its sequences gets
+a matcher, and every token a sequence takes advances its matcher.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from .sampling import SamplingParams, TokenLogprobs, bad_words_token_ids, check_
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, claim_request_id
 from .spec_decode import SpeculativeConfig, propose_ngram, speculates
+from .structured_output import CompiledGrammar, StructuredOutputManager
 from .threads import configure_threads
 from .weights import check_architecture, resolve_model
 
@@ -125,6 +128,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         self.speculative_config = SpeculativeConfig.parse(args.speculative_config)
         k = self.speculative_config.num_speculative_tokens if self.speculative_config else 0
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0  # chapter 10's counters (vLLM's)
@@ -203,6 +207,13 @@ class LLMEngine:
         """Reject a prompt the engine cannot run, before any state changes."""
         check_prompt(token_ids, self.config.vocab_size, self.max_model_len)
 
+    def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The compiled grammar of `params.structured_outputs` (None without one), a ValueError naming the field if
+        this tokenizer cannot serve it. Cached by spec, so a server calls it off its event loop first and
+        `add_request` then finds it compiled; a server holds the result until then, which keeps it cached."""
+        spec = params.structured_outputs
+        return None if spec is None else self.structured_output.compile(spec)
+
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, *, do_remote_decode: bool = False,
                     remote_prefill: KVTransferParams | None = None) -> str:
@@ -217,6 +228,7 @@ class LLMEngine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self.tokenize(prompt, params.truncate_prompt_tokens)
         self.validate(token_ids)
+        grammar = self.compile_grammar(params)
         if do_remote_decode or remote_prefill is not None:
             if self.kv_connector is None:
                 raise ValueError("do_remote_decode and remote_prefill need a KV connector (a prefill/decode pair's)")
@@ -225,7 +237,7 @@ class LLMEngine:
                                  prompt_tokens=len(token_ids))
         with self._lock:
             request_id = claim_request_id(request_id, self._requests, self._ids)
-            seqs = self._sequences_for(request_id, text, token_ids, params, metrics)
+            seqs = self._sequences_for(request_id, text, token_ids, params, metrics, grammar)
             seqs[0].do_remote_decode, seqs[0].remote_prefill = do_remote_decode, remote_prefill
             if remote_prefill is not None and remote_prefill.generator_state is not None and seqs[0].generator:
                 seqs[0].generator.set_state(remote_prefill.generator_state)  # it drew the first token there
@@ -235,11 +247,12 @@ class LLMEngine:
         return request_id
 
     def _sequences_for(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
-                       metrics: RequestMetrics) -> list[Sequence]:
+                       metrics: RequestMetrics, grammar: CompiledGrammar | None) -> list[Sequence]:
         """One sequence per completion. The n > 1 siblings draw from seeds seed + i, and share the prompt's
         blocks through the prefix cache (the first computes the prompt and its log-probs; the rest wait).
-        Each knows the tokens that end it (EOS unless ignore_eos, and stop_token_ids, checked here) and the token
-        spellings of its bad words; allowed_token_ids are checked here too."""
+        Each knows the tokens that end it (EOS unless ignore_eos, and stop_token_ids, checked here), the token
+        spellings of its bad words, and its own matcher of the request's grammar; allowed_token_ids are checked
+        here too."""
         vocab = self.config.vocab_size
         check_stop_token_ids(params.stop_token_ids, vocab)
         check_allowed_token_ids(params.allowed_token_ids, vocab)
@@ -249,14 +262,15 @@ class LLMEngine:
         stop_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else self.eos_token_ids)
         if params.n == 1:
             return [Sequence(request_id, text, token_ids, params, metrics, stop_token_ids=stop_ids,
-                             bad_words=bad_words)]
+                             bad_words=bad_words, grammar=grammar.matcher() if grammar else None)]
         seqs: list[Sequence] = []
         for i in range(params.n):
             child = replace(params, n=1, seed=None if params.seed is None else (params.seed + i) % 2 ** 64,
                             prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             leader = seqs[0] if seqs and self.block_manager.enable_prefix_caching else None
             seqs.append(Sequence(f"{i}_{request_id}", text, token_ids, child, metrics, index=i, leader=leader,
-                                 stop_token_ids=stop_ids, bad_words=bad_words))
+                                 stop_token_ids=stop_ids, bad_words=bad_words,
+                                 grammar=grammar.matcher() if grammar else None))
         return seqs
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -418,9 +432,12 @@ class LLMEngine:
 
     def _take_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None,
                     when: float) -> KVTransferParams | None:
-        """Append a sequence's new token and finish it if that ends it. A finished prefill for a remote decode
-        keeps its blocks, held by the KV connector; the handle to them is returned."""
+        """Append a sequence's new token (and advance its grammar's matcher over it), and finish it if that ends it.
+        A finished prefill for a remote decode keeps its blocks, held by the KV connector; the handle to them is
+        returned."""
         seq.output_token_ids.append(token)
+        if seq.grammar is not None:  # its mask allowed only tokens it takes (one refused would leave it in error)
+            seq.grammar.consume_token(token)
         seq.metrics.record_token(when)
         reason = self.output_processor.on_token(seq, token, logprobs)
         if reason is None:

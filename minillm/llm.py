@@ -60,6 +60,7 @@ class LLM:
                 self.engine.validate(self.engine.tokenize(prompt, p.truncate_prompt_tokens)[1])
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
+            self.engine.compile_grammar(p)  # cached: adding the request finds it compiled
         if kind is not None:
             params = [replace(p, output_kind=kind) for p in params]
         return [self.engine.add_request(None, prompt, p) for prompt, p in zip(prompts, params)]

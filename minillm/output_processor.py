@@ -110,7 +110,8 @@ class OutputProcessor:
             c.logprobs.append(self.position(logprobs))
             c.cumulative_logprob += logprobs.logprob
         reason = None
-        if token in self.eos_token_ids and not params.ignore_eos:
+        # a grammar (structured output) allows EOS only where its output is complete: then it ends, ignore_eos or not
+        if token in self.eos_token_ids and (not params.ignore_eos or seq.grammar is not None):
             reason = "stop"
         elif token in seq.stop_token_ids:  # one of params.stop_token_ids (EOS was the case above)
             reason, c.stop_reason = "stop", token

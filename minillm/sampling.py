@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .structured_output import StructuredOutputsParams, allowed_tokens
+
 if TYPE_CHECKING:
     from .sequence import Sequence
 
@@ -114,6 +116,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
     bad_words: list[str] | None = None  # words never generated (each with and without a leading space)
     truncate_prompt_tokens: int | None = None  # run only the prompt's last k tokens (-1: as many as the context holds)
+    # chapter 10: what the output must match (a JSON schema, regex, choice or grammar); such a completion ends when
+    # it samples EOS, which its grammar allows only where the output is complete, even with ignore_eos
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -153,6 +158,9 @@ class SamplingParams:
                                  f"got {self.bad_words!r}")
             self.bad_words = list(self.bad_words)
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or None, "
+                             f"got {type(self.structured_outputs).__name__}")
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens, what=" (at most max_tokens)")
         _check_float("min_p", self.min_p, lambda p: 0 <= p <= 1, "in [0, 1]")
         low, high = REPETITION_PENALTY_RANGE
@@ -203,16 +211,22 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
 
 def apply_masks(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """The tokens a sequence may not sample, set to -inf in `logits [seqs, vocab]` before anything else (vLLM's
-    order): those outside its `allowed_token_ids`, and those that would complete one of its `bad_words`.
+    order): those outside its `allowed_token_ids`, those that would complete one of its `bad_words`, and those its
+    grammar refuses next (chapter 10's structured output).
 
-    Returns `logits` itself when no sequence has either, else a float32 copy.
+    Returns `logits` itself when no sequence has any of them, else a float32 copy.
     """
     allowed = [i for i, s in enumerate(seqs) if s.params.allowed_token_ids]
     banned = [(i, t) for i, s in enumerate(seqs) if s.bad_words
               for t in banned_tokens(s.bad_words, s.output_token_ids)]
-    if not allowed and not banned:
+    constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    if not allowed and not banned and not constrained:
         return logits
     logits = logits.to(torch.float32, copy=True)
+    if constrained:  # row by row, in place: no gather and scatter of the rows
+        refused = ~allowed_tokens([seqs[i].grammar for i in constrained], logits.shape[-1]).to(logits.device)
+        for i, row in zip(constrained, refused):
+            logits[i].masked_fill_(row, float("-inf"))
     if allowed:
         keep = torch.zeros(len(allowed), logits.shape[-1], dtype=torch.bool, device=logits.device)
         ids = [seqs[i].params.allowed_token_ids for i in allowed]

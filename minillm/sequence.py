@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -64,6 +64,9 @@ class Sequence:
     remote_prefill: KVTransferParams | None = None
     # chapter 10: tokens a drafter proposed to follow this one, checked by this step's forward pass
     draft_token_ids: list[int] = field(default_factory=list)
+    # chapter 10: the matcher of params.structured_outputs (llguidance's), advanced by every token this sequence
+    # emits, so that it always stands after the output so far (also across a preemption, which keeps the output)
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

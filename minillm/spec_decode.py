@@ -81,9 +81,12 @@ def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int
 
 def speculates(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a sequence's next tokens may be drafted: not when a rule depends on the tokens before each position
-    (penalties, bad words, min_tokens still holding back stop tokens), which one pass cannot apply to the
-    drafts' positions."""
-    return not params.penalized and not params.bad_words and num_output_tokens >= params.min_tokens
+    (penalties, bad words, min_tokens still holding back stop tokens, a structured output's grammar), which one pass
+    cannot apply to the drafts' positions. A grammar's mask at a draft's position needs its matcher advanced over
+    the drafts before it, and rolled back over those rejected; a constrained sequence simply decodes one token
+    per step."""
+    return (not params.penalized and not params.bad_words and num_output_tokens >= params.min_tokens
+            and params.structured_outputs is None)
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

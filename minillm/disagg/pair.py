@@ -280,6 +280,10 @@ class PDPair:
         """Reject a prompt the instances cannot run (empty, ids outside the vocabulary, too long)."""
         check_prompt(token_ids, self.config.vocab_size, self.max_model_len)
 
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Nothing to compile here: each instance compiles a request's grammar in its own process when it takes the
+        request (`SamplingParams` has already checked the spec)."""
+
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
                             chat_template_kwargs: dict | None = None) -> list[int]:
         """Token ids of a conversation, as `LLMEngine.apply_chat_template`."""

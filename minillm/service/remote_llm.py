@@ -256,6 +256,10 @@ class RemoteLLM:
         """The engine's own check (`LLMEngine.validate` reads `config.vocab_size` and `max_model_len`)."""
         LLMEngine.validate(self, token_ids)
 
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Nothing to compile here: the replica compiles a request's grammar when it takes the request
+        (`SamplingParams` has already checked the spec)."""
+
     def token_text(self, token_id: int) -> str:
         return self._text.token_text(token_id)
 

@@ -290,6 +290,11 @@ class AsyncLLM:
         """ValueError if the engine could not run this prompt (empty, ids outside the vocabulary, too long)."""
         self.engine.validate(token_ids)
 
+    def compile_grammar(self, params: SamplingParams):
+        """Compile the request's structured-output grammar now (`LLMEngine.compile_grammar`), so that adding the
+        request finds it compiled; hold the result until then. Blocking, like `encode`."""
+        return self.engine.compile_grammar(params)
+
     def token_text(self, token_id: int) -> str:
         """One token's text shown on its own, as log-probs show it."""
         return self.engine.output_processor.token_text(token_id)

@@ -82,7 +82,9 @@ def conversation_ids(tokenizer, messages, add_generation_prompt: bool = True, co
                                                   for m in messages):
         raise ValueError('messages must be a list of {"role": ..., "content": ...} dicts')
     extra = chat_template_kwargs or {}
-    if reserved := sorted(extra.keys() & inspect.signature(tokenizer.apply_chat_template).parameters.keys()):
+    # `tools` is a template variable too (the server fills it from a request's tools)
+    settings = inspect.signature(tokenizer.apply_chat_template).parameters.keys() - {"tools"}
+    if reserved := sorted(extra.keys() & settings):
         raise ValueError(f"chat_template_kwargs may only add template variables, not set {reserved}")
     try:
         return chat_token_ids(tokenizer, messages, add_generation_prompt=add_generation_prompt,

@@ -161,7 +161,7 @@ def test_bad_completion_requests_name_the_problem(client, body, status, param):
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools.0.function"),
     ({"messages": [{"role": "user", "content": "hi " * 300}]}, "messages"),
 ])
 def test_bad_chat_requests_name_the_problem(client, body, param):

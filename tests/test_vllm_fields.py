@@ -1,7 +1,7 @@
 """vLLM's request fields through the server, on a tiny model: allowed_token_ids and bad_words (the server's output
 equals `LLM.generate` with the same SamplingParams, and differs without them), truncate_prompt_tokens and
 add_special_tokens (what `usage.prompt_tokens` counts), a 400 naming each field the engine cannot honour, and
-unknown fields accepted but logged once per request. The tokenizer here puts a BOS before any text, so that
+unknown fields accepted but logged once per request (structured output and tools: test_structured_output.py). The tokenizer here puts a BOS before any text, so that
 add_special_tokens has something to add."""
 
 import logging
@@ -241,19 +241,16 @@ def test_add_special_tokens_on_completions_and_chat(client, offline):
 # --- 5. fields the engine cannot honour, and unknown ones ----------------------------------------------------------
 
 UNSUPPORTED = {  # a field and a value that asks for something
-    "guided_json": {"type": "object"}, "guided_regex": "[a-z]+", "guided_choice": ["yes", "no"],
-    "guided_grammar": "root ::= 'a'", "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
-    "structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}, "use_beam_search": True,
-    "length_penalty": 0.5, "logit_bias": {"5": 10}, "logits_processors": ["x"], "kv_transfer_params": {"a": 1},
+    "guided_decoding_backend": "xgrammar", "use_beam_search": True, "length_penalty": 0.5, "logit_bias": {"5": 10}, "logits_processors": ["x"], "kv_transfer_params": {"a": 1},
     "cache_salt": "s", "vllm_xargs": {"a": 1}, "return_tokens_as_token_ids": True, "return_token_ids": True,
     "spaces_between_special_tokens": False, "priority": 1}
 CHAT_ONLY = {
-    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
     "functions": [{"name": "f"}], "function_call": "auto", "chat_template": "{{ messages }}",
     "documents": [{"text": "d"}], "mm_processor_kwargs": {"a": 1}, "audio": {"voice": "x"},
     "modalities": ["text", "audio"], "web_search_options": {}, "reasoning_effort": "low"}
 NEUTRAL = {"guided_json": None, "response_format": {"type": "text"}, "use_beam_search": False, "length_penalty": 1.0,
-           "logit_bias": {}, "priority": 0, "spaces_between_special_tokens": True, "return_token_ids": False}
+           "logit_bias": {}, "priority": 0, "spaces_between_special_tokens": True, "return_token_ids": False,
+           "guided_decoding_backend": "auto"}
 CHAT_NEUTRAL = {"tools": [], "tool_choice": "none", "functions": None, "modalities": ["text"],
                 "parallel_tool_calls": True}
 
@@ -319,8 +316,8 @@ def test_the_openai_client_sends_nothing_spurious(server, records):
                                        extra_body={"allowed_token_ids": allowed, "truncate_prompt_tokens": 3})
         assert reply.usage.prompt_tokens == 3
         with pytest.raises(openai.BadRequestError) as e:
-            oai.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={"type": "json_object"})
-        assert e.value.body["param"] == "response_format"
+            oai.chat.completions.create(model=MODEL, messages=MESSAGES, logit_bias={"5": 10})
+        assert e.value.body["param"] == "logit_bias"
     assert not [r.getMessage() for r in records if "ignored" in r.getMessage()]
 
 
@@ -330,7 +327,7 @@ def test_refusals_leave_the_engine_serving(client, offline):
     stream_json(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "stream": True,
                                             "allowed_token_ids": [70]})
     want = offline_run(offline, PROMPT, max_tokens=5, ignore_eos=True)
-    for field, value in [("guided_json", {}), ("allowed_token_ids", [10 ** 6]), ("bad_words", [""]),
+    for field, value in [("guided_regex", "(unclosed"), ("allowed_token_ids", [10 ** 6]), ("bad_words", [""]),
                          ("truncate_prompt_tokens", 0)]:
         refused(client, "/v1/completions", {"prompt": PROMPT, field: value})
         assert served_text(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True,

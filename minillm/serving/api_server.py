@@ -79,7 +79,7 @@ def _field_path(loc) -> str:
     return ".".join(parts)
 
 
-_SHAPES = {"str", "int", "float", "bool", "list", "dict", "none", "Message", "StreamOptions"}
+_SHAPES = {"str", "int", "float", "bool", "list", "dict", "none", "Message", "StreamOptions", "NamedToolChoice"}
 
 
 def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None,

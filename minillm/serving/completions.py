@@ -19,8 +19,9 @@ from ..outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from ..sampling import SamplingParams
 from .async_llm import RequestStream
 from .protocol import CompletionRequest
-from .serving_engine import (Served, Stream, close_all, compile_stops_ahead, finals, json_response, lp, merged,
-                             prompt_logprobs_json, sampling_params, start, stream_usage, top, truncate, usage)
+from .serving_engine import (Served, Stream, close_all, compile_grammar_ahead, compile_stops_ahead, finals,
+                             json_response, lp, merged, prompt_logprobs_json, sampling_params, start, stream_usage,
+                             structured_outputs, top, truncate, usage)
 
 
 @dataclass
@@ -55,22 +56,24 @@ class _CompletionLogprobs:
 
 
 def prepare_completion(served: Served,
-                       req: CompletionRequest) -> tuple[list[list[int]], list[str], list[SamplingParams]]:
-    """Token ids, texts (for echo) and engine parameters of each prompt in the batch. Blocking (it tokenizes):
-    the handler runs it in the tokenizer pool."""
+                       req: CompletionRequest) -> tuple[list[list[int]], list[str], list[SamplingParams], object]:
+    """Token ids, texts (for echo) and engine parameters of each prompt in the batch, and the compiled grammar
+    they share if the output is constrained (held until the requests are added). Blocking (it tokenizes, checks
+    the grammar): the handler runs it in the tokenizer pool."""
     echo_k = req.logprobs if req.echo else None  # echoed prompt tokens come with their log-probs
     prompt_k = max((k for k in (echo_k, req.prompt_logprobs) if k is not None), default=None)
+    structured, param = structured_outputs(req)
     ids, texts, params = [], [], []
     for prompt in req.prompts():
         given = served.llm.encode(prompt, req.add_special_tokens) if isinstance(prompt, str) else list(prompt)
         token_ids = truncate(served, given, req.truncate_prompt_tokens)
         served.check_prompt(token_ids, "prompt")
-        params.append(sampling_params(served, req, len(token_ids), req.max_tokens, req.logprobs, prompt_k))
+        params.append(sampling_params(served, req, len(token_ids), req.max_tokens, req.logprobs, prompt_k, structured))
         ids.append(token_ids)
         whole = isinstance(prompt, str) and len(token_ids) == len(given)
         texts.append(prompt if whole else served.llm.tokenizer.decode(token_ids))
-    compile_stops_ahead(params[0])  # the same stop strings for every prompt
-    return ids, texts, params
+    compile_stops_ahead(params[0])  # the same stop strings and grammar for every prompt
+    return ids, texts, params, compile_grammar_ahead(served, req, params[0], param)
 
 
 def completion_choice(served: Served, index: int, c: CompletionOutput, prompt: list[int], prompt_text: str,
@@ -94,9 +97,10 @@ async def completion(served: Served, req: CompletionRequest, disconnected) -> Re
     req.check()
     served.limits.check_completion(req, served.llm.max_waiting_requests)
     served.llm.check_room(len(req.prompts()) * req.n)  # a 429 before tokenizing, if the engine is full now
-    prompts, texts, params = await served.off_loop(prepare_completion, served, req)
+    prompts, texts, params, grammar = await served.off_loop(prepare_completion, served, req)
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     streams = start(served, request_id, prompts, params)
+    del grammar  # held until here, so that adding the requests found it compiled
     head = {"id": request_id, "object": "text_completion", "created": created, "model": served.model_name}
     if req.stream:
         return Stream(_completion_chunks(served, req, streams, prompts, texts, head), streams)

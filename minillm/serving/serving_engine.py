@@ -1,7 +1,8 @@
 """Chapter 8 — what /v1/completions and /v1/chat/completions share (vLLM's `OpenAIServing`): the engine
 behind them, tokenizing off the event loop (in a bounded pool), engine parameters from a request, admitting a
 request's prompts together, waiting for final outputs while watching for the client to leave, and writing a
-large response off the event loop too.
+large response off the event loop too. Chapter 10: a request's structured-output grammar is checked and compiled
+in the same pool, never on the event loop.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..engine import check_allowed_token_ids, check_stop_token_ids, truncate_pro
 from ..outputs import PositionLogprobs, RequestOutput
 from ..sampling import RequestOutputKind, SamplingParams
 from ..stop_strings import compile_stops
+from ..structured_output import GrammarError, StructuredOutputsParams
 from .async_llm import AsyncLLM, EngineOverloaded, RequestStream
 from .limits import ServerLimits
 from .protocol import OpenAIError, SamplingRequest
@@ -93,9 +95,45 @@ def truncate(served: Served, token_ids: list[int], keep: int | None) -> list[int
         raise OpenAIError(str(e), param="truncate_prompt_tokens") from None
 
 
+def structured_outputs(req: SamplingRequest) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's constraint on its output as the engine's parameters, and the field that gave it (None, None
+    without one); a 400 naming that field if the engine cannot use it. Blocking (the grammar is checked): the
+    handler runs it in the tokenizer pool."""
+    given = req.constraint()
+    if given is None:
+        return None, None
+    param, kwargs = given
+    try:
+        return StructuredOutputsParams(**kwargs), param
+    except ValueError as e:
+        raise grammar_error(e, param, req) from None
+
+
+def grammar_error(e: ValueError, param: str, req: SamplingRequest) -> OpenAIError:
+    """A structured-output spec the engine refused, as a 400 naming the request's field that gave it."""
+    if not isinstance(e, GrammarError):
+        return OpenAIError(str(e), param=param)
+    if e.field == "whitespace_pattern":
+        so = req.structured_outputs
+        param = "structured_outputs.whitespace_pattern" if so is not None and so.whitespace_pattern is not None \
+            else "guided_whitespace_pattern"
+    return OpenAIError(f"{param} {e.reason}", param=param)
+
+
+def compile_grammar_ahead(served: Served, req: SamplingRequest, params: SamplingParams, param: str | None):
+    """Compile the request's grammar now, in the tokenizer pool (a 400 naming `param` if this model's tokenizer
+    cannot serve it); the handler holds the result until the request is added, which then finds it compiled."""
+    try:
+        return served.llm.compile_grammar(params)
+    except ValueError as e:
+        raise grammar_error(e, param, req) from None
+
+
 def sampling_params(served: Served, req: SamplingRequest, prompt_len: int, max_tokens: int | None,
-                    logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-    """The engine's parameters for one prompt of a request; a 400 for anything out of range."""
+                    logprobs: int | None, prompt_logprobs: int | None,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
+    """The engine's parameters for one prompt of a request (`structured`: its constraint, from
+    `structured_outputs`); a 400 for anything out of range."""
     max_model_len, limit = served.llm.max_model_len, served.limits.max_completion_tokens
     if max_tokens is None:
         max_tokens = max(1, max_model_len - prompt_len)
@@ -118,6 +156,7 @@ def sampling_params(served: Served, req: SamplingRequest, prompt_len: int, max_t
             frequency_penalty=_or(req.frequency_penalty, 0.0), skip_special_tokens=req.skip_special_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,  # the prompt comes truncated (`truncate`): the engine need not again
+            structured_outputs=structured,
             output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY)
     except ValueError as e:
         raise OpenAIError(str(e), param=_param(str(e))) from None

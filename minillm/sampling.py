@@ -162,6 +162,9 @@ class SamplingParams:
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams or None, "
                              f"got {type(self.structured_outputs).__name__}")
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens, what=" (at most max_tokens)")
+        if self.min_tokens and self.structured_outputs is not None:  # it would hold back the EOS a grammar may force
+            raise ValueError("min_tokens cannot be used with structured_outputs: the grammar decides where the "
+                             "output may end")
         _check_float("min_p", self.min_p, lambda p: 0 <= p <= 1, "in [0, 1]")
         low, high = REPETITION_PENALTY_RANGE
         _check_float("repetition_penalty", self.repetition_penalty, lambda p: low <= p <= high,

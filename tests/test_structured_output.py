@@ -218,6 +218,8 @@ def test_bad_specs_are_refused_by_name(kwargs, field):
 def test_sampling_params_take_only_a_structured_outputs_params(llm):
     with pytest.raises(ValueError, match="^structured_outputs must be a StructuredOutputsParams"):
         SamplingParams(structured_outputs={"regex": "a"})
+    with pytest.raises(ValueError, match="^min_tokens cannot be used with structured_outputs"):
+        SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+"))
     assert all_blocks_free(llm) and not llm.engine.has_unfinished_requests()
 
 
@@ -381,6 +383,7 @@ BIG = {"type": "object", "properties": {f"p{i}": {"type": "string", "description
     ("/v1/completions", {"guided_grammar": "root ::= (("}, "guided_grammar"),
     ("/v1/completions", {"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
     ("/v1/completions", {"guided_decoding_backend": "xgrammar", "guided_regex": "a"}, "guided_decoding_backend"),
+    ("/v1/completions", {"guided_regex": "a+", "min_tokens": 2}, "min_tokens"),
     ("/v1/chat/completions", {"tools": [WEATHER]}, "tool_choice"),  # "auto", the default with tools
     ("/v1/chat/completions", {"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),

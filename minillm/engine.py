@@ -9,7 +9,9 @@ Chapter 10 adds speculative decoding (`speculative_config`): before each step th
 decoding sequence that may speculate, the step checks them, and a sequence takes the drafts kept and one more
 token; the K/V of rejected drafts are simply not counted as computed, so the next step overwrites them. It also adds
 structured output: a request's grammar is compiled when it is added (`compile_grammar`), each of its sequences gets
-a matcher, and every token a sequence takes advances its matcher.
+a matcher, and every token a sequence takes advances its matcher. And a second KV tier (`kv_offloading_size`,
+`kv_offload.py`) under the block manager: blocks reloaded from it count as prefix-cache hits, so the step computes
+only what neither tier holds.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from .kv_handoff import KVTransferParams
 from .engine_args import EngineArgs
 from .kernels import triton_available
 from .kv_cache import KVCache, blocks_for_budget
+from .kv_offload import GIB, KVOffloadTier, offload_stats
 from .metrics import RequestMetrics
 from .model import load_model
 from .model_runner import ModelRunner, SeqResult
@@ -86,6 +89,12 @@ class LLMEngine:
         self.parallel.check(self.config)
         if self.parallel.world_size > 1 and args.quantization is not None:
             raise ValueError("quantization is not supported together with tensor or pipeline parallelism here")
+        if args.kv_offloading_size is not None and not args.enable_prefix_caching:
+            raise ValueError("kv_offloading_size needs enable_prefix_caching: the tier keeps the prefix cache's "
+                             "evicted blocks")
+        if args.kv_offloading_size is not None and self.parallel.world_size > 1:
+            raise ValueError("kv_offloading_size is not supported with tensor or pipeline parallelism here (each "
+                             "rank holds a part of every block)")
         if self.config.num_experts and args.quantization is not None:
             raise ValueError("quantization is not supported for Mixture-of-Experts models here (their experts are "
                              "not linear layers that quantize_model replaces)")
@@ -120,7 +129,11 @@ class LLMEngine:
         self.kv_cache = KVCache.allocate(local, num_kv_blocks, block_size, self.dtype, self.device, kv_cache_dtype)
         if self.executor is not None:
             self.executor.start(self.kv_cache, num_kv_blocks, block_size, kv_cache_dtype)
-        self.block_manager = BlockManager(num_kv_blocks, block_size, args.enable_prefix_caching)
+        self.kv_offload = None  # chapter 10: a second tier for the prefix-cache blocks the pool evicts
+        if args.kv_offloading_size is not None:
+            self.kv_offload = KVOffloadTier(self.kv_cache, int(args.kv_offloading_size * GIB),
+                                            args.kv_offloading_backend)
+        self.block_manager = BlockManager(num_kv_blocks, block_size, args.enable_prefix_caching, self.kv_offload)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.executor)
         self.max_model_len = context_length(self.config, num_kv_blocks, block_size)
@@ -334,11 +347,13 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the other ranks' processes of a parallel layout (nothing to do in one process) and a KV connector's
-        transfer thread; idempotent."""
+        transfer thread, and remove a KV offload tier's file; idempotent."""
         if getattr(self, "executor", None) is not None:
             self.executor.shutdown()
         if getattr(self, "kv_connector", None) is not None:
             self.kv_connector.close()
+        if getattr(self, "kv_offload", None) is not None:
+            self.kv_offload.close()
 
     def reset_prefix_cache(self) -> None:
         """Forget the cached prefixes of finished requests (vLLM's name), e.g. between two timed runs."""
@@ -499,6 +514,7 @@ class LLMEngine:
             "spec_decode_num_draft_tokens": self.num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
             "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_position),
+            **offload_stats(self.kv_offload),
         }
 
 

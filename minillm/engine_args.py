@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .kv_cache import KV_CACHE_DTYPES
+from .kv_offload import KV_OFFLOADING_BACKENDS
 from .quant import QUANTIZATIONS
 from .spec_decode import SpeculativeConfig
 
@@ -58,6 +60,11 @@ class EngineArgs:
                                    flag="--threads")
     speculative_config: str | dict | None = _arg(None, "speculative decoding (chapter 10), vLLM's JSON, e.g. "
                                                        '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    kv_offloading_size: float | None = _arg(None, "GiB of a second KV tier that keeps the prefix-cache blocks the pool "
+                                                  "evicts, to reload instead of recompute (chapter 10; default: none)")
+    kv_offloading_backend: str = _arg("native", "where that tier lives: native (a memory-mapped file under "
+                                                "$MINILLM_CACHE on a CPU, pinned host memory on a GPU), file or host",
+                                      KV_OFFLOADING_BACKENDS)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
@@ -67,6 +74,8 @@ class EngineArgs:
             if getattr(self, name) is not None:
                 _check_count(name, getattr(self, name))
         SpeculativeConfig.parse(self.speculative_config)  # refused here, before any weight loads
+        if self.kv_offloading_size is not None:
+            _check_size("kv_offloading_size", self.kv_offloading_size)
         for f in dataclasses.fields(self):
             choices = f.metadata["choices"]
             value = getattr(self, f.name)
@@ -108,10 +117,15 @@ def _check_count(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _check_size(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of GiB (or None), got {value!r}")
+
+
 def _scalar(hint) -> type:
-    """The command-line type of a field: int, bool, or str (paths, devices and dtypes are given as text)."""
+    """The command-line type of a field: int, float, bool, or str (paths, devices and dtypes are given as text)."""
     args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    for kind in (bool, int):
+    for kind in (bool, int, float):
         if kind in args:
             return kind
     return str

@@ -17,7 +17,8 @@ CHANGED = {"model": "/some/model", "device": "cpu", "dtype": "bfloat16", "load_f
            "num_kv_blocks": 32, "max_num_seqs": 3, "max_num_batched_tokens": 512, "enable_prefix_caching": False,
            "quantization": "int4", "quantization_group_size": 32, "kv_cache_dtype": "int8",
            "tensor_parallel_size": 2, "pipeline_parallel_size": 3, "enable_expert_parallel": True, "num_threads": 1,
-           "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}'}
+           "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}', "kv_offloading_size": 0.5,
+           "kv_offloading_backend": "file"}
 
 
 def test_every_field_has_a_changed_value_here():

@@ -44,6 +44,8 @@ class ServerMetrics:
         gauge("num_requests_waiting", "Sequences waiting to start (or to resume after preemption).",
               lambda: llm.stats()["num_waiting"])
         gauge("kv_cache_usage_perc", "Share of KV-cache blocks in use (1 = full).", lambda: _kv_usage(llm.stats()))
+        gauge("kv_offload_bytes_used", "Bytes of the KV offload tier's slots holding a block (chapter 10).",
+              lambda: llm.stats().get("kv_offload_bytes_used", 0))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.").labels(**labels)
         self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(**labels)
         self.success = counter("request_success", "Requests finished, by finish reason.", "finished_reason")
@@ -100,7 +102,13 @@ class _EngineCounters:
                  stats.get("spec_decode_num_drafts", 0)),
                 ("spec_decode_num_draft_tokens", "Tokens drafted.", stats.get("spec_decode_num_draft_tokens", 0)),
                 ("spec_decode_num_accepted_tokens", "Drafted tokens the model kept.",
-                 stats.get("spec_decode_num_accepted_tokens", 0))):
+                 stats.get("spec_decode_num_accepted_tokens", 0)),
+                ("kv_offload_blocks_stored", "Prefix-cache blocks copied to the KV offload tier as the pool evicted "
+                 "them (chapter 10).", stats.get("kv_offload_blocks_stored", 0)),
+                ("kv_offload_blocks_loaded", "Blocks reloaded from the KV offload tier instead of recomputed.",
+                 stats.get("kv_offload_blocks_loaded", 0)),
+                ("kv_offload_load_failures", "Offloaded blocks refused at reload (checksum, hash or layout mismatch) "
+                 "and recomputed.", stats.get("kv_offload_load_failures", 0))):
             family = CounterMetricFamily(PREFIX + name, doc, labels=list(self.labels))
             family.add_metric(list(self.labels.values()), value)
             yield family

@@ -33,39 +33,12 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 from benchmarks.pd_disagg import H200_BYTES_S, H200_FLOPS, LINKS  # noqa: E402
 from minillm import LLM, SamplingParams  # noqa: E402
 from minillm.bench import corpus_ids  # noqa: E402
-from minillm.config import ModelConfig  # noqa: E402
-from minillm.kv_cache import LLAMA3_70B, KVCache, kv_block_bytes  # noqa: E402
-from minillm.kv_offload import KVOffloadTier  # noqa: E402
-from minillm.roofline import prefill_costs, time_median, total_bytes, total_flops  # noqa: E402
+from minillm.kv_cache import LLAMA3_70B, kv_block_bytes  # noqa: E402
+from minillm.kv_offload import time_tier  # noqa: E402
+from minillm.roofline import prefill_costs, total_bytes, total_flops  # noqa: E402
 from minillm.workload import describe_machine  # noqa: E402
 
 NVME_BYTES_S = 7e9  # data sheet: a PCIe 4.0 NVMe SSD's sequential read, not measured
-
-
-def tier_per_block(config: ModelConfig, block_size: int, blocks: int, backend: str) -> dict:
-    """Seconds per block to store and to reload (checked), and the raw read bandwidth of the tier's slots (bytes/s),
-    on a pool and a tier of `blocks` blocks of the engine's layout, filled with random keys and values."""
-    pool = KVCache.allocate(config, blocks, block_size, torch.float32, "cpu")
-    pool.k.copy_(torch.randn_like(pool.k))
-    pool.v.copy_(torch.randn_like(pool.v))
-    tier = KVOffloadTier(pool, blocks * (kv_block_bytes(config, block_size, torch.float32) + 8192), backend)
-    hashes = [i.to_bytes(32, "little") for i in range(blocks)]
-
-    def store_all() -> None:
-        tier.clear()
-        for b, h in enumerate(hashes):
-            tier.store(h, b)
-
-    def load_all() -> None:
-        for b, h in enumerate(hashes):
-            assert tier.load(h, (b + 1) % blocks)
-
-    store = time_median(store_all, repeats=5, warmup=1) / blocks
-    load = time_median(load_all, repeats=5, warmup=1) / blocks
-    scratch = torch.empty_like(tier.buffer)
-    read = tier.buffer.numel() / time_median(lambda: scratch.copy_(tier.buffer), repeats=5)
-    tier.close()
-    return {"store_s": store, "load_s": load, "read_bytes_s": read}
 
 
 def prefill_seconds(llm: LLM, prompt: list[int], repeats: int) -> float:
@@ -127,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # (a) per block
     per_block = kv_block_bytes(config, block, torch.float32)
-    measured = tier_per_block(config, block, args.num_kv_blocks, tier.backend)
+    measured = time_tier(config, block, args.num_kv_blocks, tier.backend)
     ids = corpus_ids(plain.get_tokenizer())
     prompt = ids[:args.prompt_tokens]
     prefill_s = prefill_seconds(plain, prompt, repeats=5)

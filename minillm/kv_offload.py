@@ -175,3 +175,32 @@ def _remove(path: Path) -> None:
         path.unlink()
     except OSError:  # gone already, or (Windows) still mapped
         pass
+
+
+def time_tier(config, block_size: int, blocks: int, backend: str = "native") -> dict:
+    """Measured on a pool and a tier of `blocks` blocks of this model's layout (float32 on the CPU, random keys and
+    values): seconds per block to store and to reload (checksum checked), and the raw read bandwidth of the tier's
+    memory in bytes/s (a file just written is read from the page cache)."""
+    from .roofline import time_median
+
+    pool = KVCache.allocate(config, blocks, block_size, torch.float32, "cpu")
+    pool.k.copy_(torch.randn_like(pool.k))
+    pool.v.copy_(torch.randn_like(pool.v))
+    tier = KVOffloadTier(pool, blocks * slot_bytes(KVLayout.of(pool)), backend)
+    hashes = [i.to_bytes(32, "little") for i in range(blocks)]
+
+    def store_all() -> None:
+        tier.clear()
+        for b, h in enumerate(hashes):
+            tier.store(h, b)
+
+    def load_all() -> None:
+        for b, h in enumerate(hashes):
+            assert tier.load(h, (b + 1) % blocks)
+
+    store = time_median(store_all, repeats=5, warmup=1) / blocks
+    load = time_median(load_all, repeats=5, warmup=1) / blocks
+    scratch = torch.empty_like(tier.buffer)
+    read = tier.buffer.numel() / time_median(lambda: scratch.copy_(tier.buffer), repeats=5)
+    tier.close()
+    return {"store_s": store, "load_s": load, "read_bytes_s": read}

@@ -17,7 +17,7 @@ from minillm.config import ModelConfig
 from minillm.engine_args import EngineArgs
 from minillm.kv_cache import KVCache
 from minillm.kv_handoff import KVLayout
-from minillm.kv_offload import GIB, HEADER_BYTES, KVOffloadTier, slot_bytes
+from minillm.kv_offload import GIB, HEADER_BYTES, KVOffloadTier, slot_bytes, time_tier
 
 BLOCK = 4
 ENGINE = dict(device="cpu", dtype=torch.float32, block_size=BLOCK, num_kv_blocks=16)  # 64 tokens: a few prompts
@@ -233,3 +233,8 @@ def test_on_a_gpu_the_tier_is_pinned_host_memory(tiny_llama, baseline, cache_dir
     want, plain = baseline(**gpu)
     assert outs == want and plain["prefix_cache_hit_tokens"] == 0
     assert delta["kv_offload_blocks_loaded"] == A_BLOCKS and delta["prefix_cache_hit_tokens"] == A_BLOCKS * BLOCK
+
+
+def test_timing_the_tier_stores_and_reloads_every_block(tiny_llama, cache_dir):
+    timed = time_tier(ModelConfig.from_dir(tiny_llama), 4, 8, "file")
+    assert set(timed) == {"store_s", "load_s", "read_bytes_s"} and all(v > 0 for v in timed.values())

@@ -30,6 +30,8 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [num_seqs] tokens in the cache for each sequence after this step
     query_lens: list[int]       # new tokens of each sequence
     num_prefills: int           # the first num_prefills sequences are prefills, the rest decodes
+    # (chapter 10: a sequence checking drafts is as many decode "sequences" as it has new tokens, one per token, each
+    # with the context up to its own position; `ModelRunner.prepare`)
     use_triton: bool = False    # attend with minillm.kernels (Triton) instead of plain PyTorch
     use_cpu_kernel: bool = False  # decode through the C kernel of minillm.kernels.cpu (a float32 or int8 pool on a CPU)
 

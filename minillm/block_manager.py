@@ -192,12 +192,23 @@ class BlockManager:
         if self.offload is not None:
             self.offload.clear()
 
-    def free(self, seq: Sequence) -> None:
-        """Drop the sequence's references; blocks nobody holds go back to the free list, contents kept."""
-        for block_id in reversed(seq.block_table):  # tail blocks first: they are the least likely to be shared
+    def _release(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block; blocks nobody holds go back to the free list, contents kept."""
+        for block_id in reversed(block_ids):  # tail blocks first: they are the least likely to be shared
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_ids[block_id] = None
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references to all its blocks."""
+        self._release(seq.block_table)
         seq.block_table, seq.block_hashes = [], []
         seq.num_cached_tokens = 0
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens of the sequence's table (chapter 10: a draft
+        model's blocks that held only drafts the target rejected)."""
+        keep = self.blocks_needed(num_tokens)
+        self._release(seq.block_table[keep:])
+        del seq.block_table[keep:], seq.block_hashes[keep:]

@@ -5,9 +5,10 @@ Chapter 9 adds prefill/decode disaggregation (vLLM's KV connector): with a `kv_c
 blocks stay held for another instance to pull; a request added with `remote_prefill=handle` waits, blocks
 allocated, until the pulled K/V are installed, then decodes from the handle's first token. The step does both.
 
-Chapter 10 adds speculative decoding (`speculative_config`): before each step the drafter proposes tokens for every
-decoding sequence that may speculate, the step checks them, and a sequence takes the drafts kept and one more
-token; the K/V of rejected drafts are simply not counted as computed, so the next step overwrites them. It also adds
+Chapter 10 adds speculative decoding (`speculative_config`): before each step the drafter (prompt lookup, or a draft
+model with a KV pool of its own) proposes tokens for every decoding sequence that may speculate, the step checks
+them, and a sequence takes the drafts kept and one more token; the K/V of rejected drafts are simply not counted
+as computed, so the next step overwrites them, and a draft model rolls its own cache back to match. It also adds
 structured output: a request's grammar is compiled when it is added (`compile_grammar`), each of its sequences gets
 a matcher, and every token a sequence takes advances its matcher. And a second KV tier (`kv_offloading_size`,
 `kv_offload.py`) under the block manager: blocks reloaded from it count as prefix-cache hits, so the step computes
@@ -30,10 +31,11 @@ from .block_manager import BlockManager
 from .chat_template import conversation_ids
 from .config import ModelConfig
 from .disagg.connector import KVConnector
+from .draft_model import DraftModel, load_draft_model
 from .kv_handoff import KVTransferParams
 from .engine_args import EngineArgs
 from .kernels import triton_available
-from .kv_cache import KVCache, blocks_for_budget
+from .kv_cache import KVCache, blocks_for_budget, kv_block_bytes
 from .kv_offload import GIB, KVOffloadTier, offload_stats
 from .metrics import RequestMetrics
 from .model import load_model
@@ -98,6 +100,14 @@ class LLMEngine:
         if self.config.num_experts and args.quantization is not None:
             raise ValueError("quantization is not supported for Mixture-of-Experts models here (their experts are "
                              "not linear layers that quantize_model replaces)")
+        spec = self.speculative_config = SpeculativeConfig.parse(args.speculative_config)
+        by_draft_model = spec is not None and spec.method == "draft_model"
+        if self.parallel.world_size > 1 and by_draft_model:
+            raise ValueError("speculative_config method 'draft_model' is not supported together with tensor or "
+                             "pipeline parallelism here")
+        check_quantization_device("quantization", args.quantization, self.device)
+        check_quantization_device("speculative_config quantization", spec.quantization if by_draft_model else None,
+                                  self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
         self.executor = None
         if self.parallel.world_size > 1:
@@ -117,15 +127,22 @@ class LLMEngine:
         output processing, then a warm-up."""
         quantization, kv_cache_dtype, block_size = args.quantization, args.kv_cache_dtype, args.block_size
         if quantization is not None:
-            if self.device.type not in ("cpu", "cuda") or (self.device.type == "cuda" and quantization != "fp8"
-                                                            and not triton_available()):
-                raise ValueError(f"quantization {quantization!r} needs a CPU, or a GPU with Triton")
             quantize_model(self.model, quantization, args.quantization_group_size)
         self.quantization, self.kv_cache_dtype = quantization, kv_cache_dtype
+        spec = self.speculative_config
+        draft_model, draft_config = None, None
+        if spec is not None and spec.method == "draft_model":
+            draft_model, draft_config = load_draft_model(spec, self.config, self.path, self.tokenizer, self.dtype,
+                                                         self.device, args.load_format)
         local = self.parallel.local_config(self.config, 0)  # rank 0's stage has the most layers
         num_kv_blocks = args.num_kv_blocks
-        if num_kv_blocks is None:
-            num_kv_blocks = blocks_for_budget(local, block_size, self.dtype, self._kv_budget(), kv_cache_dtype)
+        if num_kv_blocks is None:  # a draft model's pool gets as many blocks, out of the same budget
+            budget = self._kv_budget()
+            if draft_config is not None:
+                ours, theirs = (kv_block_bytes(c, block_size, self.dtype, kv_cache_dtype)
+                                for c in (local, draft_config))
+                budget = budget * ours // (ours + theirs)
+            num_kv_blocks = blocks_for_budget(local, block_size, self.dtype, budget, kv_cache_dtype)
         self.kv_cache = KVCache.allocate(local, num_kv_blocks, block_size, self.dtype, self.device, kv_cache_dtype)
         if self.executor is not None:
             self.executor.start(self.kv_cache, num_kv_blocks, block_size, kv_cache_dtype)
@@ -137,13 +154,18 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.executor)
         self.max_model_len = context_length(self.config, num_kv_blocks, block_size)
+        self.drafter: DraftModel | None = None
+        if draft_model is not None:
+            self.drafter = DraftModel(draft_model, KVCache.allocate(draft_config, num_kv_blocks, block_size, self.dtype,
+                                                                    self.device, kv_cache_dtype),
+                                      self.device, args.max_num_batched_tokens)
+            self.max_model_len = min(self.max_model_len, draft_config.max_position_embeddings)
         self.eos_token_ids = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
-        self.speculative_config = SpeculativeConfig.parse(args.speculative_config)
-        k = self.speculative_config.num_speculative_tokens if self.speculative_config else 0
+        k = spec.num_speculative_tokens if spec else 0
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0  # chapter 10's counters (vLLM's)
         self.accepted_per_position = [0] * k  # how often the draft at each position was kept
         self.kv_connector: KVConnector | None = None  # chapter 9: set by an instance of a prefill/decode pair
@@ -189,6 +211,8 @@ class LLMEngine:
             finally:
                 bm.free(seq)
         bm.hit_tokens, bm.query_tokens = counters
+        if self.drafter is not None:
+            self.drafter.warm_up()
         return time.perf_counter() - start
 
     def _kv_budget(self) -> int:
@@ -328,6 +352,8 @@ class LLMEngine:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "abort")
                     self.output_processor.on_abort(seq)
+                if self.drafter is not None:
+                    self.drafter.free(seq)
             state.metrics.finished_time = now
         return [out for state in states if (out := self.output_processor.output(state)) is not None]
 
@@ -384,6 +410,9 @@ class LLMEngine:
                 outputs += self._update(scheduled, results)
             for seq in scheduled.seqs:
                 seq.draft_token_ids.clear()
+                seq.draft_probs = None
+            if self.drafter is not None:
+                self.drafter.sync()
         return outputs
 
     def _propose(self) -> None:
@@ -392,12 +421,18 @@ class LLMEngine:
         config = self.speculative_config
         if config is None:
             return
+        drafting, ks = [], []
         for seq in self.scheduler.running:
+            seq.draft_token_ids, seq.draft_probs = [], None
             room = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
-            eligible = seq.num_uncomputed_tokens == 1 and room >= 1 and speculates(seq.params,
-                                                                                    len(seq.output_token_ids))
-            seq.draft_token_ids = propose_ngram(seq.token_ids, min(config.num_speculative_tokens, room),
-                                                config.prompt_lookup_min, config.prompt_lookup_max) if eligible else []
+            if seq.num_uncomputed_tokens == 1 and room >= 1 and speculates(seq.params, len(seq.output_token_ids)):
+                drafting.append(seq)
+                ks.append(min(config.num_speculative_tokens, room))
+        if self.drafter is not None:
+            self.drafter.propose(drafting, ks)
+            return
+        for seq, k in zip(drafting, ks):
+            seq.draft_token_ids = propose_ngram(seq.token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max)
 
     def _update(self, scheduled: SchedulerOutput, results: list[SeqResult]) -> list[RequestOutput]:
         """Commit the step's K/V, append the new tokens, finish what is done; the outputs to report."""
@@ -515,12 +550,21 @@ class LLMEngine:
             "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
             "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_position),
             **offload_stats(self.kv_offload),
+            "draft_kv_blocks_total": self.drafter.block_manager.num_blocks if self.drafter else 0,  # a draft model's
+            "draft_kv_blocks_free": self.drafter.block_manager.num_free_blocks if self.drafter else 0,
         }
 
 
 def context_length(config, num_kv_blocks: int, block_size: int) -> int:
     """The longest sequence an engine serves: the model's positions, or fewer if its KV pool holds fewer tokens."""
     return min(config.max_position_embeddings, num_kv_blocks * block_size)
+
+
+def check_quantization_device(name: str, method: str | None, device: torch.device) -> None:
+    """Refuse a quantization (the engine's `name` option) the device has no kernels for (ValueError naming it)."""
+    if method is not None and (device.type not in ("cpu", "cuda") or (device.type == "cuda" and method != "fp8"
+                                                                       and not triton_available())):
+        raise ValueError(f"{name} {method!r} needs a CPU, or a GPU with Triton")
 
 
 def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:

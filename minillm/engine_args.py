@@ -59,7 +59,10 @@ class EngineArgs:
                                          "sleep, as under `python -m minillm`, all but one otherwise)",
                                    flag="--threads")
     speculative_config: str | dict | None = _arg(None, "speculative decoding (chapter 10), vLLM's JSON, e.g. "
-                                                       '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
+                                                       '\'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                                                       '\'{"method": "draft_model", "num_speculative_tokens": 4, '
+                                                       '"quantization": "int4"}\' (model: the draft\'s directory; '
+                                                       'default: the default model)')
     kv_offloading_size: float | None = _arg(None, "GiB of a second KV tier that keeps the prefix-cache blocks the pool "
                                                   "evicts, to reload instead of recompute (chapter 10; default: none)")
     kv_offloading_backend: str = _arg("native", "where that tier lives: native (a memory-mapped file under "

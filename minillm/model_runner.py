@@ -2,7 +2,8 @@
 samples the next tokens.
 
 Chapter 10: a sequence with drafts gets logits at every position it ran, and keeps the drafts its model agrees with
-(`spec_decode.accept`) before its own next token.
+(`spec_decode.accept`) before its own next token. Its tokens attend as decode rows, one per token (`attends_as_decode`),
+so a step that checks drafts stays a decode step for the attention kernels.
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ from .sequence import Sequence
 from .spec_decode import accept
 
 
+def attends_as_decode(seq: Sequence, num_new_tokens: int) -> bool:
+    """Whether a sequence's new tokens attend as decode rows, one per token: a decode (one new token), or a decode
+    with drafts to check (chapter 10), whose row j sees the context up to its own position, so the causal mask
+    among the drafts lies in the rows' context lengths."""
+    return num_new_tokens == 1 or bool(seq.draft_token_ids)
+
+
 class ModelRunner:
     """Owns the model and its KV cache; one `run` call is one forward pass over the batch.
 
@@ -41,29 +49,35 @@ class ModelRunner:
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]):
-        """Pack the next `n` uncomputed tokens of each sequence; sequences with several tokens (prefill) first.
+    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int], as_decode: list[bool] | None = None):
+        """Pack the next `n` uncomputed tokens of each sequence; prompt chunks first, then the sequences that attend as
+        decode rows, one attention row of the metadata per new token: those `as_decode` marks (by default those of
+        `attends_as_decode`).
 
         Returns (input_ids, positions, metadata, the sequences in packed order).
         """
-        order = sorted(range(len(seqs)), key=lambda i: num_new_tokens[i] == 1)
-        seqs, num_new_tokens = [seqs[i] for i in order], [num_new_tokens[i] for i in order]
-        ids, positions, slots = [], [], []
-        for seq, n in zip(seqs, num_new_tokens):
+        if as_decode is None:
+            as_decode = [attends_as_decode(s, n) for s, n in zip(seqs, num_new_tokens)]
+        order = sorted(range(len(seqs)), key=lambda i: as_decode[i])
+        seqs, num_new_tokens, as_decode = ([items[i] for i in order] for items in (seqs, num_new_tokens, as_decode))
+        ids, positions, slots, tables, context_lens, query_lens = [], [], [], [], [], []
+        width = max(len(s.block_table) for s in seqs)
+        for seq, n, decode in zip(seqs, num_new_tokens, as_decode):
             start = seq.num_cached_tokens
             ids.extend(seq.next_token_ids(n))
             positions.extend(range(start, start + n))
             slots.extend(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
                          for p in range(start, start + n))
-        width = max(len(s.block_table) for s in seqs)
+            rows = n if decode else 1
+            tables += [seq.block_table + [0] * (width - len(seq.block_table))] * rows
+            context_lens += range(start + n - rows + 1, start + n + 1)
+            query_lens += [n // rows] * rows
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
-            block_tables=torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
-                                      dtype=torch.int32, device=self.device),
-            context_lens=torch.tensor([s.num_cached_tokens + n for s, n in zip(seqs, num_new_tokens)],
-                                      dtype=torch.int32, device=self.device),
-            query_lens=num_new_tokens,
-            num_prefills=sum(n > 1 for n in num_new_tokens),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=self.device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
+            query_lens=query_lens,
+            num_prefills=sum(n > 1 for n in query_lens),
             use_triton=self.use_triton,
             # the C kernel bypasses PyTorch's dispatcher: under a dispatch mode (FlopCounterMode, fake tensors)
             # the PyTorch path runs instead, so the mode sees the attention
@@ -106,7 +120,7 @@ class ModelRunner:
         Logits are taken only where needed: at each such sequence's last token, and at the prompt
         positions of sequences that asked for their prompt's log-probs.
         """
-        order = sorted(range(len(step.seqs)), key=lambda i: step.num_new_tokens[i] == 1)  # prefills first
+        order = sorted(range(len(step.seqs)), key=lambda i: attends_as_decode(step.seqs[i], step.num_new_tokens[i]))
         seqs, nums = [step.seqs[i] for i in order], [step.num_new_tokens[i] for i in order]
         done = [s.num_cached_tokens + n == s.num_tokens + len(s.draft_token_ids) for s, n in zip(seqs, nums)]
         scored = [s.prompt_logprob_positions(n) for s, n in zip(seqs, nums)]
@@ -147,7 +161,8 @@ class ModelRunner:
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, prompt_lps: list[TokenLogprobs]) -> SeqResult:
         """A sequence with drafts: the drafts its model keeps, then its own token (chapter 10)."""
-        tokens = accept(seq.draft_token_ids, apply_masks(logits, [seq] * len(logits)), seq.params, seq.generator)
+        tokens = accept(seq.draft_token_ids, apply_masks(logits, [seq] * len(logits)), seq.params, seq.generator,
+                        seq.draft_probs)
         if tokens is None:
             return SeqResult(seq, None, None, prompt_lps, failed=True)
         lps = [None] * len(tokens)

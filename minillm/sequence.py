@@ -62,8 +62,10 @@ class Sequence:
     # and a decode whose prompt's K/V another instance computed (cleared once they are installed here)
     do_remote_decode: bool = False
     remote_prefill: KVTransferParams | None = None
-    # chapter 10: tokens a drafter proposed to follow this one, checked by this step's forward pass
+    # chapter 10: tokens a drafter proposed to follow this one, checked by this step's forward pass, and when a draft
+    # model sampled them, its distribution at each (`[drafts, vocab]`, on the CPU; None: q = 1 on each draft)
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
     # chapter 10: the matcher of params.structured_outputs (llguidance's), advanced by every token this sequence
     # emits, so that it always stands after the output so far (also across a preemption, which keeps the output)
     grammar: Any = None

@@ -1,13 +1,8 @@
 """The minillm code this exercise rebuilds (the grader's reference; not a copy).
 
-minillm's `accept` takes the verify step's logits and the request's SamplingParams, and knows one drafter,
-prompt lookup, whose q is one-hot on each draft (a draft kept with probability p, a rejected one replaced by a
-draw from p without it). The adapters hand it what it expects: `accept_greedy` one-hot logits at the given
-argmaxes, under greedy params; `accept_sampled` the log of each row, at temperature 1 (whose softmax is the row
-again), after folding the drafter's q into the rows it draws from: row i becomes a = min(1, p[d] / q[d]) on the
-draft d and (1 - a) times the residual max(0, p - q), renormalized, elsewhere (the residual is 0 at d whenever
-a < 1). Prompt lookup's one-hot q leaves a row as it is; for any q, keeping d with probability a and otherwise
-drawing from that row without d is exactly rules 1 to 3 of the stub.
+minillm's `accept` takes the verify step's logits, the request's SamplingParams and the drafter's q rows. The
+adapters hand it what it expects: `accept_greedy` one-hot logits at the given argmaxes, under greedy params;
+`accept_sampled` the log of each p row at temperature 1 (whose softmax is the row again) with the q rows as they are.
 """
 
 import torch
@@ -27,9 +22,5 @@ def accept_greedy(drafts: list[int], target_argmax: list[int]) -> list[int]:
 
 def accept_sampled(drafts: list[int], p_rows: torch.Tensor, q_rows: torch.Tensor,
                    generator: torch.Generator) -> list[int]:
-    p, q, d = p_rows.double(), q_rows.double(), torch.tensor(drafts, dtype=torch.long).view(-1, 1)
-    k = len(drafts)
-    a = (p[:k].gather(1, d) / q.gather(1, d)).clamp(max=1.0)
-    residual = (p[:k] - q).clamp(min=0.0)
-    folded = ((1 - a) * residual / residual.sum(1, keepdim=True).clamp(min=1e-300)).scatter(1, d, a)
-    return accept(drafts, torch.cat([folded, p[k:]]).log(), SamplingParams(temperature=1.0), generator)
+    return accept(drafts, p_rows.double().log(), SamplingParams(temperature=1.0), generator,
+                  draft_probs=q_rows.double())

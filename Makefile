@@ -23,7 +23,8 @@ install: $(STAMP)
 # and assert nothing about a second thread share the machine two at a time, the longest first; the others
 # (chapter 4's thread study, servers, ranks, replicas) run alone. A new chapter runs alone until listed here.
 SHARED_CHAPTERS := $(addprefix chapters/,06_quantization.ipynb 00_tour.ipynb 01_metrics.ipynb \
-                     02_prefill_decode.ipynb 03_kv_cache.ipynb 05_flash_attention.ipynb)
+                     02_prefill_decode.ipynb 03_kv_cache.ipynb 05_flash_attention.ipynb \
+                     10_speculative_structured_offload.ipynb)
 ALONE_CHAPTERS  := $(filter-out $(SHARED_CHAPTERS),$(sort $(wildcard chapters/*.ipynb)))
 NBVAL           := $(BIN)/python -m pytest -q --nbval --nbval-sanitize-with .ci/nbval_sanitize.cfg -p no:cacheprovider
 

@@ -21,6 +21,12 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
 ENGINE = dict(device="cpu", dtype=torch.float32, block_size=4, num_kv_blocks=256)
 LOOPY = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]  # a pattern to copy: prompt lookup drafts it
 PROMPTS = [LOOPY, list(range(20, 40)), [11, 12, 11, 12, 11], [3]]
+GREEDY_CASES = [  # the requests whose greedy output speculation must leave unchanged
+    SamplingParams(max_tokens=40, ignore_eos=True),
+    SamplingParams(max_tokens=7, ignore_eos=True),  # the length limit falls inside a step's drafts
+    SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=[232, 110]),  # a stop among kept drafts
+    SamplingParams(max_tokens=30, ignore_eos=True, logprobs=2, n=2),
+]
 
 
 def test_prompt_lookup_takes_the_longest_latest_match():
@@ -82,12 +88,7 @@ def oracle(monkeypatch, prompts: list[list[int]], outputs: list[list[int]], wron
     monkeypatch.setattr(minillm.engine, "propose_ngram", propose)
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=40, ignore_eos=True),
-    SamplingParams(max_tokens=7, ignore_eos=True),  # the length limit falls inside a step's drafts
-    SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=[232, 110]),  # a stop among kept drafts
-    SamplingParams(max_tokens=30, ignore_eos=True, logprobs=2, n=2),
-], ids=["long", "short", "stop-ids", "logprobs-n2"])
+@pytest.mark.parametrize("params", GREEDY_CASES, ids=["long", "short", "stop-ids", "logprobs-n2"])
 def test_greedy_output_is_the_engines_own(engines, params, monkeypatch):
     plain, spec = engines
     want = plain.generate(PROMPTS, params, use_tqdm=False)
@@ -233,12 +234,7 @@ def generate_counting(llm, prompts, params) -> tuple[list, int, int]:
 
 
 @pytest.mark.parametrize("variant", ["int4-self", "perturbed"])
-@pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=40, ignore_eos=True),
-    SamplingParams(max_tokens=7, ignore_eos=True),  # the length limit falls inside a step's drafts
-    SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=[232, 110]),  # a stop among kept drafts
-    SamplingParams(max_tokens=30, ignore_eos=True, logprobs=2, n=2),
-], ids=["long", "short", "stop-ids", "logprobs-n2"])
+@pytest.mark.parametrize("params", GREEDY_CASES, ids=["long", "short", "stop-ids", "logprobs-n2"])
 def test_draft_model_greedy_output_is_the_engines_own(engines, drafted, variant, params):
     plain, spec = engines[0], drafted[variant]
     want = plain.generate(PROMPTS, params, use_tqdm=False)

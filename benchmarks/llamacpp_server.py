@@ -1,7 +1,7 @@
 """llama.cpp's own server against minillm's, both serving the default model on the CPU, driven by the same client.
 
 `llama-server` (built once from the llama.cpp sources inside the llama-cpp-python 0.3.36 sdist, at the lowest CPU
-priority, and cached under minillm's cache directory) serves the default GGUF file; `python -m minillm serve
+priority, and cached under minillm's cache directory: `benchmarks/llamacpp_build.py`) serves the default GGUF file; `python -m minillm serve
 --quantization int4` serves the same weights (Q4_1 maps exactly onto its int4 format), and `--float32` adds the
 float32 server as a third row. All run at once on 127.0.0.1 (the others idle while one is timed), with the same
 thread count and as many parallel slots as the highest concurrency. Each measurement is one `python -m minillm bench`
@@ -20,16 +20,14 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -37,90 +35,16 @@ import httpx
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.llamacpp_build import LLAMA_CPP, build, started, tail
 from benchmarks.record import save_json
 from minillm.bench import load_tokenizer, make_workload
-from minillm.cache_dir import cache_dir
 from minillm.weights import DEFAULT_MODEL, default_gguf_path
 
-VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors the llama.cpp sources built here
-CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_UI=OFF",
-                 "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                 "-DLLAMA_BUILD_EXAMPLES=OFF")
 SLOT_CONTEXT = 512  # tokens per llama-server slot: the longest chat request is 128 prompt + 256 answer tokens
 READY_TIMEOUT = 300.0  # seconds a server may take to load
 FIGURES = {"output_throughput": "out tok/s", "ttft_ms_median": "TTFT P50 ms", "ttft_ms_p99": "TTFT P99 ms",
            "itl_ms_median": "ITL P50 ms", "tpot_ms_median": "TPOT P50 ms"}
 LLAMA = "llama-server"
-
-
-# --- processes: each in its own process group, stopped with everything it started ---------------------------
-
-@contextlib.contextmanager
-def started(cmd: Sequence[str], log: Path, low_priority: bool = False) -> Iterator[subprocess.Popen]:
-    """`cmd` running with its output in `log` (nice 19 if `low_priority`); on exit, if it still runs, its whole
-    process group gets SIGTERM, then SIGKILL after 30 s. Its own group keeps Ctrl-C here from reaching it first."""
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=(lambda: os.nice(19)) if low_priority else None)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
-def tail(log: Path, lines: int = 15) -> str:
-    """The last lines of a log, for an error message."""
-    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-
-
-# --- llama-server, built once ---------------------------------------------------------------------------------
-
-def binary_path() -> Path:
-    """Where the built llama-server is kept: minillm's cache, keyed by the llama-cpp-python version."""
-    return cache_dir() / "llama.cpp" / VERSION / "llama-server"
-
-
-def build(jobs: int = 2) -> Path:
-    """llama-server, from the cache or else built (download, cmake, only the server target) at nice 19 and cached;
-    a RuntimeError says in one line why it could not be built."""
-    target = binary_path()
-    if target.is_file():
-        return target
-    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
-    if missing:
-        raise RuntimeError(f"building llama-server needs {' and '.join(missing)}; not found on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    log = target.parent / "build.log"
-    log.unlink(missing_ok=True)
-    print(f"building llama-server from llama-cpp-python {VERSION} at low priority (minutes; log: {log})", flush=True)
-
-    def step(what: str, cmd: Sequence[str]) -> None:
-        with started(cmd, log, low_priority=True) as proc:
-            if proc.wait() != 0:
-                raise RuntimeError(f"{what} failed (see {log})")
-
-    with tempfile.TemporaryDirectory(prefix="llama.cpp-") as tmp:
-        work = Path(tmp)
-        step(f"downloading the llama-cpp-python {VERSION} sdist (is the package index reachable?)",
-             [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-              f"llama-cpp-python=={VERSION}", "-d", str(work)])
-        with tarfile.open(next(work.glob("llama_cpp_python-*.tar.gz"))) as sdist:
-            sdist.extractall(work, members=[m for m in sdist if "/vendor/llama.cpp/" in m.name], filter="data")
-        source = next(work.glob("*/vendor/llama.cpp"))
-        step("configuring llama.cpp with cmake", ["cmake", "-S", str(source), "-B", str(work / "build"),
-                                                 *CMAKE_OPTIONS])
-        step("compiling llama-server", ["cmake", "--build", str(work / "build"), "--target", "llama-server",
-                                        "-j", str(jobs)])
-        partial = target.with_name(target.name + ".partial")
-        shutil.copy2(work / "build" / "bin" / "llama-server", partial)
-        partial.replace(target)
-    return target
 
 
 # --- the servers ----------------------------------------------------------------------------------------------
@@ -283,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a plain kill still runs the cleanup below
     try:
-        binary = build(args.build_jobs)
+        binary = build([LLAMA], LLAMA_CPP, args.build_jobs)[LLAMA]
     except RuntimeError as e:
         print(f"llama-server is not available: {e}", file=sys.stderr)
         return 2
@@ -293,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-    print(f"\n{LLAMA} (llama.cpp from llama-cpp-python {VERSION}) against minillm on {default_gguf_path().name}; "
+    print(f"\n{LLAMA} (llama.cpp from {LLAMA_CPP.package} {LLAMA_CPP.version}) against minillm on {default_gguf_path().name}; "
           "ratios are minillm / llama-server in the same round\n" + table(records))
     if args.json is not None:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}

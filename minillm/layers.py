@@ -7,8 +7,10 @@ quantization (chapter 6) replaces in place.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -169,6 +171,35 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+PROBE_ROWS = (1, 4, 16, 64, 256)  # row counts at which the two product kernels are timed against each other
+PLAIN_MARGIN = 0.85  # F.linear is chosen for a row count only where it takes at most this share of oneDNN's time
+
+
+@functools.cache
+def packed_min_rows(out_features: int, in_features: int, threads: int) -> int:
+    """The fewest rows from which a float32 product of this shape runs on oneDNN's packed weight rather than through
+    `F.linear` (MKL, or whatever BLAS PyTorch was built with), timed on this machine once per process and shape.
+
+    Which is faster depends on the CPU, not on its vendor's name: on some, MKL's matrix-vector path takes half
+    oneDNN's time at one row; on others it runs generic code and oneDNN wins at every row count. Both kernels are
+    timed in turn at each of `PROBE_ROWS`; F.linear keeps the row counts below the largest probe where it clearly
+    won (`PLAIN_MARGIN`), so that a noisy timing cannot swap kernels where they are close. 1 means always packed.
+    """
+    from .roofline import time_interleaved
+
+    weight = torch.randn(out_features, in_features) * 0.02
+    packed = pack_weight(weight)
+    threshold = 1
+    with torch.inference_mode():
+        for rows in PROBE_ROWS:
+            x = torch.randn(rows, in_features)
+            plain, onednn = time_interleaved([lambda: F.linear(x, weight), lambda: packed_linear(x, packed)],
+                                             repeats=9, warmup=2)
+            if statistics.median(plain) <= PLAIN_MARGIN * statistics.median(onednn):
+                threshold = rows + 1
+    return threshold
+
+
 def dispatch_mode_active() -> bool:
     """Whether a PyTorch dispatch mode (FlopCounterMode, fake tensors) is watching: the paths that bypass the
     dispatcher or use opaque weights (oneDNN-packed layers, the C attention kernel) step aside for it."""
@@ -188,9 +219,14 @@ class Linear(nn.Linear):
     """
 
     packed: torch.Tensor | None = None
+    packed_min_rows: int = 1  # products of fewer rows run through F.linear (see `packed_min_rows`)
 
-    def pack(self) -> None:
+    def pack(self, min_rows: int | None = None) -> None:
+        """Make (or, after the weight changed, remake) the packed copy, used for products of at least `min_rows`
+        rows (None keeps the count chosen before)."""
         self.packed = pack_weight(self.weight)
+        if min_rows is not None:
+            self.packed_min_rows = min_rows
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`x W^T + b`, plus `residual` when given (the block's skip connection, fused into the product)."""
@@ -198,7 +234,7 @@ class Linear(nn.Linear):
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:
         """`x W^T`, plus `bias` and `residual` when given, on the packed weight where there is one."""
-        if x.dim() == 2 and runs_packed(self.packed):
+        if x.dim() == 2 and x.shape[0] >= self.packed_min_rows and runs_packed(self.packed):
             return packed_linear(x, self.packed, bias, residual)
         y = F.linear(x, self.weight, bias)
         return y if residual is None else y + residual

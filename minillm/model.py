@@ -22,8 +22,8 @@ from torch import nn
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
 from .host_memory import huge_page_empty, use_huge_pages
-from .layers import (Linear, RMSNorm, RotaryEmbedding, pack_weight, packed_linear, rotate, runs_packed, silu_and_mul,
-                     use_packed_weights)
+from .layers import (Linear, RMSNorm, RotaryEmbedding, pack_weight, packed_linear, packed_min_rows, rotate, runs_packed,
+                     silu_and_mul, use_packed_weights)
 from .moe import SparseMoeBlock, moe_checkpoint_target
 from .parallel.comm import Comm
 from .parallel.state import ParallelContext
@@ -119,18 +119,22 @@ class CausalLM(nn.Module):
         self.lm_head = (ColumnParallelLinear(config.hidden_size, [pad_vocab(config.vocab_size, tp)], tp)
                         if last and not tied else None)
         self.packed_head: torch.Tensor | None = None  # the tied head's oneDNN-packed copy (see pack_weights)
+        self.packed_min_rows = 1  # products of fewer rows run through F.linear (see pack_weights)
         # decode-only steps as one C call where the layers allow it (`fused_decode`); MINILLM_FUSED_STEP=0: never
         self.use_fused_step = os.environ.get("MINILLM_FUSED_STEP", "1") != "0"
         self._fused: tuple | None = None  # (cache, first layer's qkv module, step or None) of the last build
 
     def pack_weights(self) -> None:
-        """Give every linear layer, and a tied head, a oneDNN-packed copy of its weight (CPU, after loading).
+        """Give every linear layer, and a tied head, a oneDNN-packed copy of its weight (CPU, after loading), used
+        from the row count at which it beats `F.linear` on this CPU, timed on the largest layer's shape.
 
         The copies double the weights' memory; the plain tensors stay for everything that reads the model.
         """
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack()
+        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        largest = max(linears, key=lambda m: m.weight.numel())
+        self.packed_min_rows = packed_min_rows(largest.out_features, largest.in_features, torch.get_num_threads())
+        for module in linears:
+            module.pack(self.packed_min_rows)
         if self.lm_head is None and self.norm is not None:
             self.packed_head = pack_weight(self.embed_tokens.weight)
 
@@ -167,7 +171,7 @@ class CausalLM(nn.Module):
         parallelism each rank scores its slice of the vocabulary and rank 0 gets them all (None elsewhere)."""
         if self.lm_head is not None:
             local = self.lm_head.forward(hidden)
-        elif runs_packed(self.packed_head):
+        elif hidden.shape[0] >= self.packed_min_rows and runs_packed(self.packed_head):
             local = packed_linear(hidden, self.packed_head)
         else:
             local = F.linear(hidden, self.embed_tokens.weight)
@@ -216,9 +220,11 @@ def _fused_decode_step(model: CausalLM, kv_cache) -> FusedDecodeStep | None:
 
 
 def load_model(path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", seed: int = 0, ctx: ParallelContext | None = None) -> CausalLM:
+               load_format: str = "auto", seed: int = 0, ctx: ParallelContext | None = None,
+               pack: bool = True) -> CausalLM:
     """Build the model (or, under a parallel layout, this rank's part of it) on `device` and fill it from the
-    checkpoint at `path` ("auto") or randomly ("dummy")."""
+    checkpoint at `path` ("auto") or randomly ("dummy"). `pack=False` skips oneDNN's packed copies, for a model
+    about to be quantized (they would double the float weights' memory only to be dropped)."""
     with torch.device("meta"):  # no time spent on random init of weights about to be overwritten
         model = CausalLM(config, ctx).to(dtype)
     model = model.to_empty(device=device)
@@ -233,7 +239,7 @@ def load_model(path, config: ModelConfig, dtype: torch.dtype, device: torch.devi
         _load_hf_weights(model, checkpoint_tensors(path))
     else:
         raise ValueError(f"load_format {load_format!r} is not supported; use 'auto' or 'dummy'")
-    if use_packed_weights(device, dtype):
+    if pack and use_packed_weights(device, dtype):
         model.pack_weights()
     return model.eval()
 

@@ -115,7 +115,8 @@ class LLMEngine:
                                               args.load_format, args.num_threads)
             self.model = self.executor.model
         else:
-            self.model = load_model(self.path, self.config, self.dtype, self.device, args.load_format)
+            self.model = load_model(self.path, self.config, self.dtype, self.device, args.load_format,
+                                    pack=args.quantization is None)
         try:
             self._build_runtime(args)
         except BaseException:

@@ -82,11 +82,12 @@ class OutputProcessor:
         return state
 
     def token_text(self, token_id: int) -> str:
-        """One token shown on its own (as in log-probs): a byte-level piece may be an unfinished character."""
+        """One token shown on its own (as in log-probs): a byte-level piece may be an unfinished character. A row
+        of the model's vocabulary past the tokenizer's (padding, as in Qwen2.5's) has no text."""
         text = self._token_text.get(token_id)
         if text is None:
-            tokens = self.tokenizer.convert_ids_to_tokens([token_id])
-            text = self._token_text[token_id] = self.tokenizer.convert_tokens_to_string(tokens)
+            tokens = [t for t in self.tokenizer.convert_ids_to_tokens([token_id]) if t is not None]
+            text = self._token_text[token_id] = self.tokenizer.convert_tokens_to_string(tokens) if tokens else ""
         return text
 
     def position(self, lp: TokenLogprobs) -> PositionLogprobs:

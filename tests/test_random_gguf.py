@@ -37,3 +37,17 @@ def test_weights_read_back_equal_transformers_reading_of_the_same_file(shape, tm
         assert torch.equal(w, torch.as_tensor(theirs[name]).float()), name
     assert sum(w.numel() for w in ours.values()) == shape.num_params
     assert AutoConfig.from_pretrained(str(tmp_path / "hf")).vocab_size == shape.vocab_size
+
+
+def test_minillm_runs_the_decoded_directory_and_padded_tokens_have_no_text(tmp_path):
+    from minillm import LLM, SamplingParams
+
+    shape = SHAPES[1]  # 48 rows past the tokenizer's vocabulary
+    write_gguf(shape, tmp_path / "m.gguf")
+    gguf_to_hf(tmp_path / "m.gguf", shape, tmp_path / "hf")
+    llm = LLM(str(tmp_path / "hf"), device="cpu", enable_prefix_caching=False)
+    padded = shape.vocab_size - 1
+    params = SamplingParams(max_tokens=2, logprobs=3, allowed_token_ids=[padded, 100])
+    out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
+    assert padded in out.logprobs[0] and out.logprobs[0][padded].decoded_token == ""
+    assert set(out.token_ids) <= {padded, 100}

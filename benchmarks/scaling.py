@@ -264,8 +264,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                     runs[engine].append(engines[engine]())
             record = {"shape": name, "params": shape.num_params, "threads": threads,
                       "gguf_weight_bytes": gguf_weight_bytes, "llama_greedy": theirs, "runs": runs}
-            records.append(summarize(record))
-            print(table([records[-1]]), flush=True)
+            row = summarize(record)
+            records = sorted(records + [row], key=lambda r: (r["threads"], r["params"]))
+            print(table([row]), flush=True)
             if args.json is not None:  # kept after every row: a long run stopped early keeps what it measured
                 save_json(args.json, settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                           records=records)

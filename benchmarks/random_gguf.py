@@ -20,6 +20,7 @@ import torch
 from gguf import GGUFReader, GGUFWriter, LlamaFileType, TokenType
 from safetensors.torch import save_file
 
+from minillm.config import ModelConfig
 from minillm.gguf_blocks import decode_q4_1, decode_q8_0
 from minillm.weights import default_gguf_path, resolve_model
 
@@ -28,47 +29,44 @@ STD = 0.02  # of every random matrix, as in minillm's dummy weights
 
 @dataclass(frozen=True)
 class Shape:
-    """One model's shape, as its Hugging Face config gives it; `arch` is llama.cpp's name for its family."""
+    """One model's shape: its name, llama.cpp's name for its family ("llama", or "qwen2": query/key/value biases,
+    rotary halves in Hugging Face's order) and the `ModelConfig` minillm reads from its config.json."""
 
     name: str
-    arch: str  # "llama" or "qwen2" (query/key/value biases, rotary halves in Hugging Face's order)
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float
-    rms_norm_eps: float
+    arch: str
+    config: ModelConfig
 
     @property
     def num_params(self) -> int:
         """Parameters, the tied embedding counted once."""
-        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        bias = self.head_dim * (self.num_heads + 2 * self.num_kv_heads) if self.arch == "qwen2" else 0
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        return self.num_layers * (attn + bias + mlp + 2 * self.hidden_size) + self.vocab_size * self.hidden_size \
-            + self.hidden_size
+        return self.config.num_params
 
     def hf_config(self) -> dict:
         """A config.json for transformers and minillm: tied embeddings, plain rotary positions."""
+        c = self.config
         return {"architectures": ["Qwen2ForCausalLM" if self.arch == "qwen2" else "LlamaForCausalLM"],
-                "model_type": self.arch, "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-                "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
-                "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps,
-                "max_position_embeddings": 8192, "tie_word_embeddings": True, "hidden_act": "silu",
-                "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
+                "model_type": self.arch, "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+                "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+                "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+                "rope_theta": c.rope_theta, "rms_norm_eps": c.rms_norm_eps,
+                "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": True,
+                "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
+
+
+def make_shape(name: str, arch: str, vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int,
+          head_dim: int, theta: float, eps: float) -> Shape:
+    """A `Shape` from the numbers of a Hugging Face config, in its order."""
+    return Shape(name, arch, ModelConfig(vocab, hidden, inter, layers, heads, kv_heads, head_dim, eps, theta, 8192,
+                                         True, qkv_bias=arch == "qwen2", eos_token_ids=(2,)))
 
 
 # Real models' shapes (their configs), with random weights; the rope scaling of Llama-3.2 is left out.
 SHAPES = {s.name: s for s in (
-    Shape("smollm2-135m", "llama", 49152, 576, 1536, 30, 9, 3, 64, 100000.0, 1e-5),
-    Shape("smollm2-360m", "llama", 49152, 960, 2560, 32, 15, 5, 64, 100000.0, 1e-5),
-    Shape("llama-3.2-1b", "llama", 128256, 2048, 8192, 16, 32, 8, 64, 500000.0, 1e-5),
-    Shape("qwen2.5-1.5b", "qwen2", 151936, 1536, 8960, 28, 12, 2, 128, 1000000.0, 1e-6),
-    Shape("smollm2-1.7b", "llama", 49152, 2048, 8192, 24, 32, 32, 64, 130000.0, 1e-5),
+    make_shape("smollm2-135m", "llama", 49152, 576, 1536, 30, 9, 3, 64, 100000.0, 1e-5),
+    make_shape("smollm2-360m", "llama", 49152, 960, 2560, 32, 15, 5, 64, 100000.0, 1e-5),
+    make_shape("llama-3.2-1b", "llama", 128256, 2048, 8192, 16, 32, 8, 64, 500000.0, 1e-5),
+    make_shape("qwen2.5-1.5b", "qwen2", 151936, 1536, 8960, 28, 12, 2, 128, 1000000.0, 1e-6),
+    make_shape("smollm2-1.7b", "llama", 49152, 2048, 8192, 24, 32, 32, 64, 130000.0, 1e-5),
 )}
 
 
@@ -103,23 +101,23 @@ def write_gguf(shape: Shape, path: Path, seed: int = 0) -> None:
     def matrix(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols), dtype=np.float32) * STD).astype(np.float16)
 
-    h, hd = shape.hidden_size, shape.head_dim
+    h, hd = shape.config.hidden_size, shape.config.head_dim
     w = GGUFWriter(str(path), shape.arch)
     w.add_name(f"random {shape.name}")
     w.add_context_length(8192)
     w.add_embedding_length(h)
-    w.add_block_count(shape.num_layers)
-    w.add_feed_forward_length(shape.intermediate_size)
-    w.add_head_count(shape.num_heads)
-    w.add_head_count_kv(shape.num_kv_heads)
+    w.add_block_count(shape.config.num_layers)
+    w.add_feed_forward_length(shape.config.intermediate_size)
+    w.add_head_count(shape.config.num_heads)
+    w.add_head_count_kv(shape.config.num_kv_heads)
     w.add_key_length(hd)
     w.add_value_length(hd)
     w.add_rope_dimension_count(hd)
-    w.add_rope_freq_base(shape.rope_theta)
-    w.add_layer_norm_rms_eps(shape.rms_norm_eps)
-    w.add_vocab_size(shape.vocab_size)
+    w.add_rope_freq_base(shape.config.rope_theta)
+    w.add_layer_norm_rms_eps(shape.config.rms_norm_eps)
+    w.add_vocab_size(shape.config.vocab_size)
     w.add_file_type(LlamaFileType.MOSTLY_F16)
-    tok = _tokenizer_fields(GGUFReader(str(default_gguf_path())), shape.vocab_size)
+    tok = _tokenizer_fields(GGUFReader(str(default_gguf_path())), shape.config.vocab_size)
     w.add_tokenizer_model(tok["model"])
     w.add_tokenizer_pre(tok["pre"])
     w.add_token_list(tok["tokens"])
@@ -132,24 +130,24 @@ def write_gguf(shape: Shape, path: Path, seed: int = 0) -> None:
     w.add_add_bos_token(False)
 
     ones = np.ones(h, dtype=np.float32)
-    w.add_tensor("token_embd.weight", matrix(shape.vocab_size, h))
-    for i in range(shape.num_layers):
-        q, k = matrix(shape.num_heads * hd, h), matrix(shape.num_kv_heads * hd, h)
+    w.add_tensor("token_embd.weight", matrix(shape.config.vocab_size, h))
+    for i in range(shape.config.num_layers):
+        q, k = matrix(shape.config.num_heads * hd, h), matrix(shape.config.num_kv_heads * hd, h)
         if shape.arch == "llama":
-            q, k = permute_rows(q, shape.num_heads), permute_rows(k, shape.num_kv_heads)
+            q, k = permute_rows(q, shape.config.num_heads), permute_rows(k, shape.config.num_kv_heads)
         blk = f"blk.{i}."
         w.add_tensor(blk + "attn_norm.weight", ones)
         w.add_tensor(blk + "attn_q.weight", q)
         w.add_tensor(blk + "attn_k.weight", k)
-        w.add_tensor(blk + "attn_v.weight", matrix(shape.num_kv_heads * hd, h))
+        w.add_tensor(blk + "attn_v.weight", matrix(shape.config.num_kv_heads * hd, h))
         if shape.arch == "qwen2":
-            for name, rows in (("q", shape.num_heads), ("k", shape.num_kv_heads), ("v", shape.num_kv_heads)):
+            for name, rows in (("q", shape.config.num_heads), ("k", shape.config.num_kv_heads), ("v", shape.config.num_kv_heads)):
                 w.add_tensor(blk + f"attn_{name}.bias", matrix(1, rows * hd).reshape(-1).astype(np.float32))
-        w.add_tensor(blk + "attn_output.weight", matrix(h, shape.num_heads * hd))
+        w.add_tensor(blk + "attn_output.weight", matrix(h, shape.config.num_heads * hd))
         w.add_tensor(blk + "ffn_norm.weight", ones)
-        w.add_tensor(blk + "ffn_gate.weight", matrix(shape.intermediate_size, h))
-        w.add_tensor(blk + "ffn_up.weight", matrix(shape.intermediate_size, h))
-        w.add_tensor(blk + "ffn_down.weight", matrix(h, shape.intermediate_size))
+        w.add_tensor(blk + "ffn_gate.weight", matrix(shape.config.intermediate_size, h))
+        w.add_tensor(blk + "ffn_up.weight", matrix(shape.config.intermediate_size, h))
+        w.add_tensor(blk + "ffn_down.weight", matrix(h, shape.config.intermediate_size))
     w.add_tensor("output_norm.weight", ones)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -196,7 +194,7 @@ def gguf_to_hf(gguf: Path, shape: Shape, out: Path) -> None:
         name = hf_name(tensor.name)
         w = _decoded(tensor)
         if shape.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            w = unpermute_rows(w, shape.num_heads if "q_proj" in name else shape.num_kv_heads)
+            w = unpermute_rows(w, shape.config.num_heads if "q_proj" in name else shape.config.num_kv_heads)
         shard = name.split(".")[2] if name.startswith("model.layers.") else "rest"
         shards.setdefault(shard, {})[name] = w.contiguous()
     for shard, tensors in shards.items():

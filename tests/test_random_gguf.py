@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from benchmarks.random_gguf import Shape, gguf_to_hf, permute_rows, unpermute_rows, write_gguf
+from benchmarks.random_gguf import gguf_to_hf, make_shape, permute_rows, unpermute_rows, write_gguf
 
-SHAPES = [Shape("tiny-llama", "llama", 49152, 64, 96, 2, 4, 2, 16, 10000.0, 1e-5),
-          Shape("tiny-qwen2", "qwen2", 49200, 64, 96, 2, 4, 1, 32, 1000000.0, 1e-6)]  # a padded vocabulary
+SHAPES = [make_shape("tiny-llama", "llama", 49152, 64, 96, 2, 4, 2, 16, 10000.0, 1e-5),
+          make_shape("tiny-qwen2", "qwen2", 49200, 64, 96, 2, 4, 1, 32, 1000000.0, 1e-6)]  # a padded vocabulary
 
 
 def test_permute_rows_is_undone_exactly():
@@ -36,7 +36,7 @@ def test_weights_read_back_equal_transformers_reading_of_the_same_file(shape, tm
     for name, w in ours.items():
         assert torch.equal(w, torch.as_tensor(theirs[name]).float()), name
     assert sum(w.numel() for w in ours.values()) == shape.num_params
-    assert AutoConfig.from_pretrained(str(tmp_path / "hf")).vocab_size == shape.vocab_size
+    assert AutoConfig.from_pretrained(str(tmp_path / "hf")).vocab_size == shape.config.vocab_size
 
 
 def test_minillm_runs_the_decoded_directory_and_padded_tokens_have_no_text(tmp_path):
@@ -46,7 +46,7 @@ def test_minillm_runs_the_decoded_directory_and_padded_tokens_have_no_text(tmp_p
     write_gguf(shape, tmp_path / "m.gguf")
     gguf_to_hf(tmp_path / "m.gguf", shape, tmp_path / "hf")
     llm = LLM(str(tmp_path / "hf"), device="cpu", enable_prefix_caching=False)
-    padded = shape.vocab_size - 1
+    padded = shape.config.vocab_size - 1
     params = SamplingParams(max_tokens=2, logprobs=3, allowed_token_ids=[padded, 100])
     out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
     assert padded in out.logprobs[0] and out.logprobs[0][padded].decoded_token == ""

@@ -21,7 +21,7 @@ from gguf import GGUFReader, GGUFWriter, LlamaFileType, TokenType
 from safetensors.torch import save_file
 
 from minillm.config import ModelConfig
-from minillm.gguf_blocks import decode_q4_1, decode_q8_0
+from minillm.gguf_blocks import decode_q4_1, decode_q8_0, tensor_parts
 from minillm.weights import default_gguf_path, resolve_model
 
 STD = 0.02  # of every random matrix, as in minillm's dummy weights
@@ -96,28 +96,28 @@ def _tokenizer_fields(reader: GGUFReader, vocab_size: int) -> dict:
 
 def write_gguf(shape: Shape, path: Path, seed: int = 0) -> None:
     """A float16 GGUF of `shape` with random weights (seeded), readable by llama.cpp and its `llama-quantize`."""
-    rng = np.random.default_rng(seed)
+    rng, c = np.random.default_rng(seed), shape.config
 
     def matrix(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols), dtype=np.float32) * STD).astype(np.float16)
 
-    h, hd = shape.config.hidden_size, shape.config.head_dim
+    h, hd = c.hidden_size, c.head_dim
     w = GGUFWriter(str(path), shape.arch)
     w.add_name(f"random {shape.name}")
     w.add_context_length(8192)
     w.add_embedding_length(h)
-    w.add_block_count(shape.config.num_layers)
-    w.add_feed_forward_length(shape.config.intermediate_size)
-    w.add_head_count(shape.config.num_heads)
-    w.add_head_count_kv(shape.config.num_kv_heads)
+    w.add_block_count(c.num_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_heads)
+    w.add_head_count_kv(c.num_kv_heads)
     w.add_key_length(hd)
     w.add_value_length(hd)
     w.add_rope_dimension_count(hd)
-    w.add_rope_freq_base(shape.config.rope_theta)
-    w.add_layer_norm_rms_eps(shape.config.rms_norm_eps)
-    w.add_vocab_size(shape.config.vocab_size)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
     w.add_file_type(LlamaFileType.MOSTLY_F16)
-    tok = _tokenizer_fields(GGUFReader(str(default_gguf_path())), shape.config.vocab_size)
+    tok = _tokenizer_fields(GGUFReader(str(default_gguf_path())), c.vocab_size)
     w.add_tokenizer_model(tok["model"])
     w.add_tokenizer_pre(tok["pre"])
     w.add_token_list(tok["tokens"])
@@ -130,24 +130,25 @@ def write_gguf(shape: Shape, path: Path, seed: int = 0) -> None:
     w.add_add_bos_token(False)
 
     ones = np.ones(h, dtype=np.float32)
-    w.add_tensor("token_embd.weight", matrix(shape.config.vocab_size, h))
-    for i in range(shape.config.num_layers):
-        q, k = matrix(shape.config.num_heads * hd, h), matrix(shape.config.num_kv_heads * hd, h)
+    w.add_tensor("token_embd.weight", matrix(c.vocab_size, h))
+    for i in range(c.num_layers):
+        q, k = matrix(c.num_heads * hd, h), matrix(c.num_kv_heads * hd, h)
         if shape.arch == "llama":
-            q, k = permute_rows(q, shape.config.num_heads), permute_rows(k, shape.config.num_kv_heads)
+            q, k = permute_rows(q, c.num_heads), permute_rows(k, c.num_kv_heads)
         blk = f"blk.{i}."
         w.add_tensor(blk + "attn_norm.weight", ones)
         w.add_tensor(blk + "attn_q.weight", q)
         w.add_tensor(blk + "attn_k.weight", k)
-        w.add_tensor(blk + "attn_v.weight", matrix(shape.config.num_kv_heads * hd, h))
+        w.add_tensor(blk + "attn_v.weight", matrix(c.num_kv_heads * hd, h))
         if shape.arch == "qwen2":
-            for name, rows in (("q", shape.config.num_heads), ("k", shape.config.num_kv_heads), ("v", shape.config.num_kv_heads)):
+            heads, kv_heads = c.num_heads, c.num_kv_heads
+            for name, rows in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
                 w.add_tensor(blk + f"attn_{name}.bias", matrix(1, rows * hd).reshape(-1).astype(np.float32))
-        w.add_tensor(blk + "attn_output.weight", matrix(h, shape.config.num_heads * hd))
+        w.add_tensor(blk + "attn_output.weight", matrix(h, c.num_heads * hd))
         w.add_tensor(blk + "ffn_norm.weight", ones)
-        w.add_tensor(blk + "ffn_gate.weight", matrix(shape.config.intermediate_size, h))
-        w.add_tensor(blk + "ffn_up.weight", matrix(shape.config.intermediate_size, h))
-        w.add_tensor(blk + "ffn_down.weight", matrix(h, shape.config.intermediate_size))
+        w.add_tensor(blk + "ffn_gate.weight", matrix(c.intermediate_size, h))
+        w.add_tensor(blk + "ffn_up.weight", matrix(c.intermediate_size, h))
+        w.add_tensor(blk + "ffn_down.weight", matrix(h, c.intermediate_size))
     w.add_tensor("output_norm.weight", ones)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -162,14 +163,13 @@ HF_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernor
 
 def _decoded(tensor) -> torch.Tensor:
     """One GGUF tensor as float32 in its row-major shape (Q4_1 and Q8_0 through minillm's block decoders)."""
-    shape = tuple(int(n) for n in reversed(tensor.shape))
-    kind = tensor.tensor_type.name
+    raw, kind, shape = tensor_parts(tensor)
     if kind in ("F32", "F16"):
         return torch.from_numpy(np.array(tensor.data, dtype=np.float32)).reshape(shape)
     decode = {"Q4_1": decode_q4_1, "Q8_0": decode_q8_0}.get(kind)
     if decode is None:
         raise ValueError(f"tensor {tensor.name} is {kind}; only F32, F16, Q8_0 and Q4_1 are read here")
-    return decode(np.asarray(tensor.data).reshape(-1).view(np.uint8)).reshape(shape)
+    return decode(raw).reshape(shape)
 
 
 def hf_name(gguf_name: str) -> str:
@@ -188,13 +188,14 @@ def gguf_to_hf(gguf: Path, shape: Shape, out: Path) -> None:
     """A Hugging Face directory (config, float32 safetensors one layer a file, the default model's tokenizer)
     holding exactly the weights `gguf` stores, decoded from its blocks."""
     out.mkdir(parents=True, exist_ok=True)
+    c = shape.config
     reader = GGUFReader(str(gguf))
     shards: dict[str, dict[str, torch.Tensor]] = {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         w = _decoded(tensor)
         if shape.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            w = unpermute_rows(w, shape.config.num_heads if "q_proj" in name else shape.config.num_kv_heads)
+            w = unpermute_rows(w, c.num_heads if "q_proj" in name else c.num_kv_heads)
         shard = name.split(".")[2] if name.startswith("model.layers.") else "rest"
         shards.setdefault(shard, {})[name] = w.contiguous()
     for shard, tensors in shards.items():

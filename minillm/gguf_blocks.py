@@ -86,7 +86,11 @@ def read_tensor(name: str, path: str | os.PathLike | None = None) -> tuple[np.nd
     tensors = {t.name: t for t in GGUFReader(path).tensors}
     if name not in tensors:
         raise ValueError(f"no tensor {name!r} in {path}; it holds {len(tensors)}, e.g. {', '.join(list(tensors)[:4])}")
-    tensor = tensors[name]
+    return tensor_parts(tensors[name])
+
+
+def tensor_parts(tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
+    """`read_tensor`'s triple for one tensor of an open `GGUFReader` (for reading a whole file's tensors in turn)."""
     raw = np.asarray(tensor.data).reshape(-1).view(np.uint8)
     return raw, tensor.tensor_type.name, tuple(int(n) for n in reversed(tensor.shape))
 

@@ -109,8 +109,9 @@ def build(programs: Sequence[str], source: Source = LLAMA_CPP, jobs: int = 2) ->
         info = tree / "common" / "build-info.cpp"
         if not info.exists() and not (tree / "common" / "cmake" / "build-info-gen-cpp.cmake").exists():
             # the ik_llama_cpp_python sdist leaves out the script that writes this file from git; write it here
-            info.write_text(f'int LLAMA_BUILD_NUMBER = 0;\nchar const *LLAMA_COMMIT = "{source.package}-{source.version}";'
-                            '\nchar const *LLAMA_COMPILER = "cc";\nchar const *LLAMA_BUILD_TARGET = "native";\n')
+            info.write_text(f'int LLAMA_BUILD_NUMBER = 0;\n'
+                            f'char const *LLAMA_COMMIT = "{source.package}-{source.version}";\n'
+                            'char const *LLAMA_COMPILER = "cc";\nchar const *LLAMA_BUILD_TARGET = "native";\n')
         step(f"configuring {source.name} with cmake", ["cmake", "-S", str(tree), "-B", str(work / "build"),
                                                       *source.options])
         targets = [arg for program in missing for arg in ("--target", program)]

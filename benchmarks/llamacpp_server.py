@@ -1,13 +1,14 @@
 """llama.cpp's own server against minillm's, both serving the default model on the CPU, driven by the same client.
 
 `llama-server` (built once from the llama.cpp sources inside the llama-cpp-python 0.3.36 sdist, at the lowest CPU
-priority, and cached under minillm's cache directory: `benchmarks/llamacpp_build.py`) serves the default GGUF file; `python -m minillm serve
---quantization int4` serves the same weights (Q4_1 maps exactly onto its int4 format), and `--float32` adds the
-float32 server as a third row. All run at once on 127.0.0.1 (the others idle while one is timed), with the same
-thread count and as many parallel slots as the highest concurrency. Each measurement is one `python -m minillm bench`
-run: the seeded chat workload (prompts 16-128 token ids, answers 64-256 tokens, ignore_eos) streamed from
-/v1/completions at `--concurrency` requests in flight. Rounds alternate which server goes first; the table gives
-each minillm figure's ratio to llama-server's in the same round. Every process started here is stopped on exit.
+priority, and cached under minillm's cache directory: `benchmarks/llamacpp_build.py`) serves the default GGUF file;
+`python -m minillm serve --quantization int4` serves the same weights (Q4_1 maps exactly onto its int4 format), and
+`--float32` adds the float32 server as a third row. All run at once on 127.0.0.1 (the others idle while one is
+timed), with the same thread count and as many parallel slots as the highest concurrency. Each measurement is one
+`python -m minillm bench` run: the seeded chat workload (prompts 16-128 token ids, answers 64-256 tokens,
+ignore_eos) streamed from /v1/completions at `--concurrency` requests in flight. Rounds alternate which server goes
+first; the table gives each minillm figure's ratio to llama-server's in the same round. Every process started here
+is stopped on exit.
 
     .venv/bin/python -m benchmarks.llamacpp_server [--rounds 2] [--concurrency 16 32] [--requests 64] [--threads 2]
         [--float32] [--json PATH]
@@ -217,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-    print(f"\n{LLAMA} (llama.cpp from {LLAMA_CPP.package} {LLAMA_CPP.version}) against minillm on {default_gguf_path().name}; "
+    print(f"\n{LLAMA} (llama.cpp from {LLAMA_CPP.package} {LLAMA_CPP.version}) against minillm on "
+          f"{default_gguf_path().name}; "
           "ratios are minillm / llama-server in the same round\n" + table(records))
     if args.json is not None:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}

@@ -233,12 +233,8 @@ def child(hf: Path, threads: int, rounds: int) -> dict:
 
 # --- the comparison -------------------------------------------------------------------------------------------
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    """a / b, or None when either is missing."""
-    return a / b if a and b else None
-
-
 def run(args: argparse.Namespace) -> list[dict]:
+    """Every shape of `args.shapes` prepared, checked and measured; the rows, saved to `args.json` as they come."""
     llama = build(["llama-bench", "llama-quantize", "llama-server"], LLAMA_CPP, args.build_jobs)
     ik = build(["llama-bench"], IK_LLAMA_CPP, args.build_jobs)["llama-bench"]
     records = []
@@ -289,10 +285,10 @@ def summarize(record: dict) -> dict:
           "ik_llama.cpp": ik["tg128"] * record["gguf_weight_bytes"] / 1e9}
     return {**{k: v for k, v in record.items() if k != "runs"}, "runs": record["runs"], "median": med,
             "decode_gb_s": gb, "agreement": agree,
-            "decode_vs_ik": ratio(ours["tg128"], ik["tg128"]), "decode_vs_llamacpp": ratio(ours["tg128"], llama["tg128"]),
+            "decode_vs_ik": ours["tg128"] / ik["tg128"], "decode_vs_llamacpp": ours["tg128"] / llama["tg128"],
             "bandwidth_share": gb["minillm"] * 1e9 / ours["read_bandwidth"],
-            "pp512_vs_llamacpp": ratio(ours["pp512"], llama["pp512"]),
-            "pp128_vs_llamacpp": ratio(ours["pp128"], llama["pp128"]),
+            "pp512_vs_llamacpp": ours["pp512"] / llama["pp512"],
+            "pp128_vs_llamacpp": ours["pp128"] / llama["pp128"],
             **{f"batch{b}_vs_floor": ours[f"batch{b}_ms"] / ours[f"batch{b}_floor_ms"] for b in BATCHES}}
 
 

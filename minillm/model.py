@@ -22,8 +22,8 @@ from torch import nn
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
 from .host_memory import huge_page_empty, use_huge_pages
-from .layers import (Linear, RMSNorm, RotaryEmbedding, pack_weight, packed_linear, packed_min_rows, rotate, runs_packed,
-                     silu_and_mul, use_packed_weights)
+from .layers import (Linear, RMSNorm, RotaryEmbedding, pack_weight, packed_linear, packed_min_rows, rotate,
+                     runs_packed, silu_and_mul, use_packed_weights)
 from .moe import SparseMoeBlock, moe_checkpoint_target
 from .parallel.comm import Comm
 from .parallel.state import ParallelContext

@@ -153,8 +153,8 @@ class CausalLM(nn.Module):
     def fused_decode(self, kv_cache) -> FusedDecodeStep | None:
         """This model's decode step as one C call over `kv_cache` (`kernels/decode_step.py`), or None where it does
         not apply. It needs every layer's four products in the C kernel's int4/int8 layouts (a model quantized on
-        a CPU with that kernel), without biases, a dense MLP, the whole model in this process, a float32 or int8 cache,
-        and the C kernels built. Built at the first call for a cache, and again when the layers were replaced since."""
+        a CPU with that kernel), no bias but on q/k/v, a dense MLP, the whole model in this process, a float32 or
+        int8 cache, and the C kernels built. Built at the first call for a cache, and again when the layers were replaced since."""
         qkv = self.layers[0].self_attn.qkv_proj
         if self._fused is None or self._fused[0] is not kv_cache or self._fused[1] is not qkv:
             self._fused = (kv_cache, qkv, _fused_decode_step(self, kv_cache))
@@ -207,11 +207,12 @@ def _fused_decode_step(model: CausalLM, kv_cache) -> FusedDecodeStep | None:
         return None
     products = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
                 for layer in model.layers]
-    if not all(getattr(p, "kernel", None) is not None and p.bias is None for four in products for p in four) \
-            or not decode_step_available():
-        return None
+    if not all(getattr(p, "kernel", None) is not None for four in products for p in four) \
+            or any(p.bias is not None for four in products for p in four[1:]) or not decode_step_available():
+        return None  # (a bias only on q/k/v, as Qwen2's)
     layers = [LayerWeights(*(p.kernel for p in four), layer.input_layernorm.weight.detach(),
-                           layer.post_attention_layernorm.weight.detach())
+                           layer.post_attention_layernorm.weight.detach(),
+                           None if four[0].bias is None else four[0].bias.detach().float().contiguous())
               for four, layer in zip(products, model.layers)]
     caches = [kv_cache.layer(i) for i in range(len(model.layers))]
     attn = model.layers[0].self_attn

@@ -56,6 +56,32 @@ def test_fused_step_equals_the_modules_on_a_tiny_model(tiny_llama, method, group
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+    from tiny_models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2",
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+
+
+@pytest.mark.parametrize("method,kv", [("int4", "auto"), ("int8", "int8")])
+def test_fused_step_adds_the_qkv_bias_as_the_modules_do(tiny_qwen2, method, kv):
+    """Qwen2's q/k/v product has a bias: the fused step adds it after the product, as the module does, so the
+    hidden states stay bit for bit the same."""
+    llm = LLM(tiny_qwen2, device="cpu", dtype=torch.float32, num_kv_blocks=64, block_size=4,
+              enable_prefix_caching=False, quantization=method, quantization_group_size=32, kv_cache_dtype=kv)
+    model, gen = llm.engine.model, torch.Generator().manual_seed(0)
+    for layer in model.layers:  # the tiny checkpoint's biases are zeros, as a new model's are
+        bias = layer.self_attn.qkv_proj.bias
+        with torch.no_grad():
+            bias.copy_(torch.randn(bias.shape, generator=gen))
+    assert model.fused_decode(llm.engine.kv_cache) is not None
+    ids, fused = decode_outputs(llm, PROMPTS, 6, True)
+    ref_ids, modules = decode_outputs(llm, PROMPTS, 6, False)
+    assert ids == ref_ids and len(fused) == len(modules) == 5
+    assert all(torch.equal(a, b) for a, b in zip(fused, modules))
+
+
 @pytest.mark.parametrize("kv", ["auto", "int8"])
 def test_fused_step_writes_the_cache_the_modules_write(tiny_llama, kv):
     """After the same requests, every layer's cache holds the same keys (rotated) and values either way, bit for

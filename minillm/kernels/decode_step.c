@@ -19,10 +19,12 @@
 
 #include <float.h>
 
-/* One decoder layer: its four products, its two RMSNorm gains and its cache pools (float32; or int8, with the
- * scales k_scale and v_scale, NULL for a float32 pool). */
+/* One decoder layer: its four products, the q/k/v product's bias (NULL where it has none, as in Llama; Qwen2 has
+ * one), its two RMSNorm gains and its cache pools (float32; or int8, with the scales k_scale and v_scale, NULL for a
+ * float32 pool). */
 typedef struct {
     Weight qkv, o, gate_up, down;
+    const float *qkv_bias;
     const float *input_norm, *post_norm;
     void *k_cache, *v_cache;
     float *k_scale, *v_scale;
@@ -79,8 +81,10 @@ void decode_step_f32(const Model *md, float *x, int64_t m, const int64_t *positi
 #pragma omp barrier
             products(&L->qkv, &to_qkv, NULL, qkv, m, id, threads);
 #pragma omp barrier
-            for (int64_t i = id; i < m; i += threads) { /* RoPE on q and k, then k and v into their slots */
+            for (int64_t i = id; i < m; i += threads) { /* the bias, RoPE on q and k, then k and v into their slots */
                 float *h = qkv + i * qkv_width;
+                if (L->qkv_bias)
+                    for (int64_t j = 0; j < qkv_width; j++) h[j] += L->qkv_bias[j];
                 const float *cos = md->cos + positions[i] * d, *sin = md->sin_signed + positions[i] * d;
                 rope_row(h, cos, sin, heads + kv_heads, d, h);
                 if (L->k_scale == NULL) {

@@ -31,7 +31,7 @@ class _Weight(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight),
-                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("qkv_bias", ctypes.c_void_p), ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
                 ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p)]
 
@@ -62,14 +62,16 @@ def decode_step_available() -> bool:
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer as the fused step reads it: its four products in the C kernel's layouts and its two
-    RMSNorm gains (float32 `[hidden]`)."""
+    """One decoder layer as the fused step reads it: its four products in the C kernel's layouts, its two
+    RMSNorm gains (float32 `[hidden]`) and the q/k/v product's bias (float32 `[q + 2 kv]`; None where the family has
+    none). The bias is added after the product, as `QuantLinear.forward` adds it."""
     qkv: Int4Weight | Int8Weight
     o: Int4Weight | Int8Weight
     gate_up: Int4Weight | Int8Weight
     down: Int4Weight | Int8Weight
     input_norm: torch.Tensor
     post_norm: torch.Tensor
+    qkv_bias: torch.Tensor | None = None
 
 
 def _weight(w: Int4Weight | Int8Weight) -> _Weight:
@@ -114,6 +116,10 @@ class FusedDecodeStep:
             for name, t in (("input_norm", layer.input_norm), ("post_norm", layer.post_norm)):
                 if t.dtype != torch.float32 or not t.is_contiguous() or t.shape != (hidden,):
                     raise ValueError(f"layer {i}'s {name} gain must be a contiguous float32 [{hidden}]")
+            bias = layer.qkv_bias
+            if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
+                                     or bias.shape != (q_width + 2 * kv_width,)):
+                raise ValueError(f"layer {i}'s qkv_bias must be a contiguous float32 [{q_width + 2 * kv_width}]")
         if kv_heads != num_kv_heads or num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads over {kv_heads} cached KV heads (given {num_kv_heads})")
         for name, t in (("cos", cos), ("sin_signed", sin_signed)):
@@ -121,7 +127,8 @@ class FusedDecodeStep:
                 raise ValueError(f"{name} must be a contiguous float32 table [positions, {head_dim}]")
         self._keep = (layers, caches, cos, sin_signed)  # the tensors behind the pointers below
         self._layers = (_Layer * len(layers))(*[
-            _Layer(_weight(w.qkv), _weight(w.o), _weight(w.gate_up), _weight(w.down), w.input_norm.data_ptr(),
+            _Layer(_weight(w.qkv), _weight(w.o), _weight(w.gate_up), _weight(w.down),
+                   None if w.qkv_bias is None else w.qkv_bias.data_ptr(), w.input_norm.data_ptr(),
                    w.post_norm.data_ptr(), *(t.data_ptr() for t in cache), *(None,) * (4 - len(cache)))
             for w, cache in zip(layers, caches)])
         self._model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, block_size, eps,

@@ -239,6 +239,21 @@ def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return paged_decode_unchecked(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, k_scale, v_scale)
 
 
+def cpu_decode_layer(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int, scale: float,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """What `Attention.forward` does between its two products in a decode-only step on a CPU, in one C call
+    (`kernels.cpu.rope_store_decode_unchecked`): rotate q and k of the q/k/v product's output `qkv` (in place),
+    store k and v, attend. Bit for bit what `rotate`, `store_kv` and `cpu_decode_attention` compute one by one;
+    each of those calls would run after a weight product has pushed the previous one's data out of the caches."""
+    from .kernels.cpu import rope_store_decode_unchecked
+
+    cos, sin_signed = rope
+    return rope_store_decode_unchecked(qkv, cos, sin_signed, meta.slot_mapping, k_cache, v_cache,
+                                       meta.decode.block_tables, meta.decode.context_lens, num_heads, scale,
+                                       k_scale, v_scale)
+
+
 def triton_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, meta: _Part, scale: float) -> torch.Tensor:
     """`prefill_attention` through the FlashAttention kernel, reading every key (cached or new) from the pages."""

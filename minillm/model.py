@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, paged_attention
+from .attention import AttentionMetadata, cpu_decode_layer, paged_attention
 from .config import ModelConfig
 from .host_memory import huge_page_empty, use_huge_pages
 from .layers import (Linear, RMSNorm, RotaryEmbedding, pack_weight, packed_linear, packed_min_rows, rotate,
-                     runs_packed, silu_and_mul, use_packed_weights)
+                     runs_in_c, runs_packed, silu_and_mul, use_packed_weights)
 from .moe import SparseMoeBlock, moe_checkpoint_target
 from .parallel.comm import Comm
 from .parallel.state import ParallelContext
@@ -53,11 +53,15 @@ class Attention(nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """`rope` holds the cos and signed sin of this step's positions, `[tokens, 1, head_dim]` each; `residual`,
         when given, is added to the output (inside the output projection)."""
-        heads = self.qkv_proj.forward(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj.forward(x)
+        k_cache, v_cache, *scales = kv_cache  # scales only for a quantized pool
+        if meta.prefill is None and meta.use_cpu_kernel and runs_in_c(qkv) and qkv.is_contiguous():  # decode, CPU: in C
+            o = cpu_decode_layer(qkv, rope, k_cache, v_cache, meta, self.num_heads, self.scale, *scales)
+            return self.o_proj.forward(o.flatten(1), residual)
+        heads = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk = rotate(heads[:, :self.num_heads + self.num_kv_heads], *rope)  # q and k heads rotated together
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = heads[:, self.num_heads + self.num_kv_heads:]
-        k_cache, v_cache, *scales = kv_cache  # scales only for a quantized pool
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, *scales)
         return self.o_proj.forward(o.flatten(1), residual)
 

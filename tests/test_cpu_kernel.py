@@ -111,3 +111,37 @@ def test_choice(monkeypatch):
     assert not use_cpu_kernel("cpu", torch.bfloat16) and not use_cpu_kernel("cuda", torch.float32)
     monkeypatch.setenv("MINILLM_ATTENTION", "torch")
     assert not use_cpu_kernel("cpu", torch.float32)
+
+
+@pytest.mark.parametrize("pool", [torch.float32, torch.int8])
+@pytest.mark.parametrize("batch,heads,kv_heads,dim,block_size,max_len", [(1, 9, 3, 64, 16, 37), (7, 9, 3, 64, 16, 100),
+                                                                         (3, 8, 1, 128, 8, 61)])
+def test_one_call_per_layer_equals_rope_store_and_attention_one_by_one(pool, batch, heads, kv_heads, dim, block_size,
+                                                                       max_len):
+    """`cpu_decode_layer` (one C call) against `rotate`, `store_kv` and the kernel called in turn, on copies of the
+    same pool: the same output and the same pool afterwards, bit for bit."""
+    from minillm.attention import AttentionMetadata, cpu_decode_attention, cpu_decode_layer, store_kv
+    from minillm.layers import rotate
+
+    _, k_cache, v_cache, tables, lens = paged_case(batch + dim, batch, heads, kv_heads, dim, block_size, max_len)
+    gen = torch.Generator().manual_seed(dim)
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * dim, generator=gen)
+    cos, sin = (torch.randn(batch, 1, dim, generator=gen) for _ in range(2))
+    blocks = torch.stack([tables[i, (int(lens[i]) - 1) // block_size] for i in range(batch)]).long()
+    slots = blocks * block_size + (lens.long() - 1) % block_size  # each sequence's newest token
+    pools = []
+    for _ in range(2):
+        if pool == torch.int8:
+            (kq, ks), (vq, vs) = (quantize_kv(c, torch.int8) for c in (k_cache, v_cache))
+            pools.append([kq, vq, ks.view(k_cache.shape[:3]).contiguous(), vs.view(k_cache.shape[:3]).contiguous()])
+        else:
+            pools.append([k_cache.clone(), v_cache.clone()])
+    meta = AttentionMetadata(slots, tables, lens, [1] * batch, 0, use_cpu_kernel=True)
+    with torch.inference_mode():  # as the engine runs (the C functions step aside for autograd)
+        got = cpu_decode_layer(qkv.clone(), (cos, sin), *pools[0][:2], meta, heads, dim ** -0.5, *pools[0][2:])
+        heads_ = qkv.view(batch, heads + 2 * kv_heads, dim)
+        q, k = rotate(heads_[:, :heads + kv_heads], cos, sin).split([heads, kv_heads], dim=1)
+        store_kv(k, heads_[:, heads + kv_heads:], pools[1][0], pools[1][1], slots, *pools[1][2:])
+        want = cpu_decode_attention(q, pools[1][0], pools[1][1], meta.decode, dim ** -0.5, *pools[1][2:])
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(*pools))

@@ -75,6 +75,8 @@ def _declare(lib: ctypes.CDLL | None) -> ctypes.CDLL | None:
         lib.paged_decode_f32.restype = lib.paged_decode_i8.restype = None
         lib.paged_decode_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
         lib.paged_decode_i8.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
+        lib.rope_store_decode.restype = None
+        lib.rope_store_decode.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 6 + [ctypes.c_float]
     return lib
 
 
@@ -139,4 +141,23 @@ def paged_decode_unchecked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         fn, caches = _library().paged_decode_i8, caches + [k_scale.data_ptr(), v_scale.data_ptr()]
     fn(q.data_ptr(), *caches, tables.data_ptr(), lens.data_ptr(), out.data_ptr(), seqs, heads, k_cache.shape[2], dim,
        k_cache.shape[1], tables.shape[1], scale, q.stride(0))
+    return out
+
+
+def rope_store_decode_unchecked(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, slots: torch.Tensor,
+                                k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                                num_heads: int, scale: float, k_scale: torch.Tensor | None = None,
+                                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """One layer's attention in a decode-only step from its q/k/v product `qkv` `[seqs, (heads + 2 kv_heads) dim]`
+    (contiguous float32; rotated in place): RoPE by each token's `cos` and `sin_signed` rows (`[seqs, dim]`), its
+    keys and values into cache slots `slots` (int64), then `paged_decode_unchecked` over the pool. The same
+    arithmetic as `layers.rotate`, `attention.store_kv` and the kernel called one after another (equal to the
+    bit), in one call: `[seqs, heads, dim]`. Unchecked, for the engine."""
+    seqs, dim = qkv.shape[0], k_cache.shape[3]
+    out = torch.empty(seqs, num_heads, dim)
+    scales = (None, None) if k_scale is None else (k_scale.data_ptr(), v_scale.data_ptr())
+    _library().rope_store_decode(qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(),
+                                 k_cache.data_ptr(), v_cache.data_ptr(), *scales, tables.data_ptr(), lens.data_ptr(),
+                                 out.data_ptr(), seqs, num_heads, k_cache.shape[2], dim, k_cache.shape[1],
+                                 tables.shape[1], scale)
     return out

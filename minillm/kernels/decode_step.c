@@ -14,10 +14,7 @@
  * minillm/kernels/decode_step.py from this file and the two kernels it includes, compiled together so that the
  * kernels' inner functions inline here as they do in their own libraries. */
 #include "int4_matmul.c"
-#include "paged_decode.c"
-#include "small_ops.c"
-
-#include <float.h>
+#include "paged_decode.c" /* and small_ops.c, which it includes */
 
 /* One decoder layer: its four products, the q/k/v product's bias (NULL where it has none, as in Llama; Qwen2 has
  * one), its two RMSNorm gains and its cache pools (float32; or int8, with the scales k_scale and v_scale, NULL for a
@@ -29,23 +26,6 @@ typedef struct {
     void *k_cache, *v_cache;
     float *k_scale, *v_scale;
 } Layer;
-
-/* One vector of d values into an int8 pool slot and its scale, as minillm.quant_formats.quantize_int8 rounds it
- * (the largest magnitude on 127, round half to even, clamped): compiled without -ffast-math's reciprocals, so
- * that the division is the one PyTorch does and the cache holds the same codes whichever path stored them. The
- * maxima and the clamp are comparisons, which give fmaxf's and fminf's results (a NaN loses to a number) and,
- * unlike those without -ffast-math, are not calls into libm. */
-__attribute__((optimize("no-fast-math"))) static void store_int8(const float *x, int64_t d, int8_t *q,
-                                                                   float *scale) {
-    float amax = 0.0f;
-    for (int64_t i = 0; i < d; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-    const float s = amax / 127.0f > FLT_MIN ? amax / 127.0f : FLT_MIN;
-    for (int64_t i = 0; i < d; i++) {
-        const float r = rintf(x[i] / s), low = r > -127.0f ? r : -127.0f;
-        q[i] = (int8_t)(low < 127.0f ? low : 127.0f);
-    }
-    *scale = s;
-}
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, block_size;
@@ -85,19 +65,8 @@ void decode_step_f32(const Model *md, float *x, int64_t m, const int64_t *positi
                 float *h = qkv + i * qkv_width;
                 if (L->qkv_bias)
                     for (int64_t j = 0; j < qkv_width; j++) h[j] += L->qkv_bias[j];
-                const float *cos = md->cos + positions[i] * d, *sin = md->sin_signed + positions[i] * d;
-                rope_row(h, cos, sin, heads + kv_heads, d, h);
-                if (L->k_scale == NULL) {
-                    memcpy((float *)L->k_cache + slots[i] * kv_width, h + q_width, sizeof(float) * kv_width);
-                    memcpy((float *)L->v_cache + slots[i] * kv_width, h + q_width + kv_width,
-                           sizeof(float) * kv_width);
-                } else
-                    for (int64_t j = 0; j < kv_heads; j++) {
-                        const int64_t at = slots[i] * kv_heads + j;
-                        store_int8(h + q_width + j * d, d, (int8_t *)L->k_cache + at * d, L->k_scale + at);
-                        store_int8(h + q_width + kv_width + j * d, d, (int8_t *)L->v_cache + at * d,
-                                   L->v_scale + at);
-                    }
+                rope_store_row(h, md->cos + positions[i] * d, md->sin_signed + positions[i] * d, heads, kv_heads, d,
+                               slots[i], L->k_cache, L->v_cache, L->k_scale, L->v_scale);
             }
 #pragma omp barrier
 #pragma omp for schedule(dynamic)

@@ -10,10 +10,16 @@
  * vector (one token, one KV head) with a float32 scale, k_scale and v_scale [blocks, block_size, kv_heads]:
  * a quarter of the bytes, dequantized in registers as they are read; where the compiler targets AVX-512,
  * 64-wide heads go a KV head at a time instead (each cache line is still read once), so that its query heads'
- * queries and outputs stay in registers. */
+ * queries and outputs stay in registers.
+ * rope_store_decode does a decode-only step's whole attention for one layer, RoPE and the cache store included,
+ * in one call from the engine's layers; the fused decode step (decode_step.c) shares its row function. */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+
+#include "small_ops.c"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -263,4 +269,60 @@ void paged_decode_i8(const float *q, const int8_t *k_cache, const int8_t *v_cach
                       out + s * num_heads * head_dim, scores, num_heads, num_kv_heads, head_dim, block_size, scale);
         free(scores);
     }
+}
+
+/* One vector of d values into an int8 pool slot and its scale, as minillm.quant_formats.quantize_int8 rounds it
+ * (the largest magnitude on 127, round half to even, clamped): compiled without -ffast-math's reciprocals, so
+ * that the division is the one PyTorch does and the cache holds the same codes whichever path stored them. The
+ * maxima and the clamp are comparisons, which give fmaxf's and fminf's results (a NaN loses to a number) and,
+ * unlike those without -ffast-math, are not calls into libm. */
+__attribute__((optimize("no-fast-math"))) static void store_int8(const float *x, int64_t d, int8_t *q,
+                                                                   float *scale) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < d; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float s = amax / 127.0f > FLT_MIN ? amax / 127.0f : FLT_MIN;
+    for (int64_t i = 0; i < d; i++) {
+        const float r = rintf(x[i] / s), low = r > -127.0f ? r : -127.0f;
+        q[i] = (int8_t)(low < 127.0f ? low : 127.0f);
+    }
+    *scale = s;
+}
+
+/* One new token after its layer's q/k/v product, h = [q heads | k heads | v heads] of d values: RoPE on its q and k
+ * heads in place (small_ops.c's rope_row, by the token's cos and signed sin rows), then its k and v into cache slot
+ * `slot` of a float32 pool, or of an int8 one with a scale per vector (k_scale NULL: float32). */
+static void rope_store_row(float *h, const float *cos, const float *sin_signed, int64_t heads, int64_t kv_heads,
+                           int64_t d, int64_t slot, void *k_cache, void *v_cache, float *k_scale, float *v_scale) {
+    const int64_t q_width = heads * d, kv_width = kv_heads * d;
+    rope_row(h, cos, sin_signed, heads + kv_heads, d, h);
+    if (k_scale == NULL) {
+        memcpy((float *)k_cache + slot * kv_width, h + q_width, sizeof(float) * kv_width);
+        memcpy((float *)v_cache + slot * kv_width, h + q_width + kv_width, sizeof(float) * kv_width);
+        return;
+    }
+    for (int64_t j = 0; j < kv_heads; j++) {
+        const int64_t at = slot * kv_heads + j;
+        store_int8(h + q_width + j * d, d, (int8_t *)k_cache + at * d, k_scale + at);
+        store_int8(h + q_width + kv_width + j * d, d, (int8_t *)v_cache + at * d, v_scale + at);
+    }
+}
+
+/* A decode-only step's attention for one layer, from its q/k/v product's output qkv [seqs, (heads + 2 kv_heads) d]
+ * (rotated in place): RoPE, the cache store and the attention of every sequence in one call, which a step layer by
+ * layer otherwise makes four (rope, two stores, the kernel), each after a weight product has pushed the one
+ * before's data out of the caches. cos and sin_signed [seqs, d] are each token's rows; out [seqs, heads, d]. */
+void rope_store_decode(float *qkv, const float *cos, const float *sin_signed, const int64_t *slots, void *k_cache,
+                       void *v_cache, float *k_scale, float *v_scale, const int32_t *block_tables,
+                       const int32_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
+    const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
+    for (int64_t s = 0; s < num_seqs; s++)
+        rope_store_row(qkv + s * width, cos + s * head_dim, sin_signed + s * head_dim, num_heads, num_kv_heads,
+                       head_dim, slots[s], k_cache, v_cache, k_scale, v_scale);
+    if (k_scale == NULL)
+        paged_decode_f32(qkv, k_cache, v_cache, block_tables, context_lens, out, num_seqs, num_heads, num_kv_heads,
+                         head_dim, block_size, max_blocks, scale, width);
+    else
+        paged_decode_i8(qkv, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out, num_seqs, num_heads,
+                        num_kv_heads, head_dim, block_size, max_blocks, scale, width);
 }

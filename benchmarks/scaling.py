@@ -204,7 +204,8 @@ def child(hf: Path, threads: int, rounds: int) -> dict:
     llm.generate([prompt], decode, use_tqdm=False)  # warm-up
     tg = statistics.median(1 / tpot(llm.generate([prompt], decode, use_tqdm=False)[0].metrics)
                            for _ in range(rounds))
-    figures = {"tg128": tg, "step_weight_bytes": step_weight_bytes(engine.model), "agree_tokens": agree}
+    figures = {"tg128": tg, "step_weight_bytes": step_weight_bytes(engine.model), "agree_tokens": agree,
+               "fused_step": engine.model.fused_decode(engine.kv_cache) is not None}
     one = SamplingParams(max_tokens=1)
     for n in PROMPT_LENGTHS:
         ids = torch.randint(0, vocab, (n,)).tolist()

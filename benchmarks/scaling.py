@@ -91,7 +91,8 @@ def llama_greedy(server: Path, gguf: Path, threads: int, log: Path) -> dict:
     output's top `TOP` candidates."""
     port = free_port()
     cmd = [str(server), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--ctx-size", "256",
-           "--parallel", "1", "--threads", str(threads), "--threads-batch", str(threads), "--no-webui"]
+           "--parallel", "1", "--threads", str(threads), "--threads-batch", str(threads), "--no-webui",
+           "--no-repack"]  # its plain Q4_1 kernels on every CPU (the AMX ones can die, see `bench_llama`)
     with started(cmd, log) as proc:
         wait_ready(proc, log, llama_url(port), "llama-server")
         reply = httpx.post(f"http://127.0.0.1:{port}/completion", timeout=300,
@@ -132,6 +133,14 @@ def peak_mib(pid: int) -> float:
     return int(line.split()[1]) / 1024
 
 
+class Died(RuntimeError):
+    """A measured program that ended on a signal, e.g. SIGILL."""
+
+    def __init__(self, message: str, signal_number: int):
+        super().__init__(message)
+        self.signal_number = signal_number
+
+
 def measured(cmd: list[str], log: Path, timeout: float) -> tuple[str, float]:
     """Run `cmd` to the end (killed after `timeout` s): its standard output and its peak resident memory in MiB,
     polled every 20 ms (weights stay loaded to the end, so the last reading is the peak)."""
@@ -149,22 +158,36 @@ def measured(cmd: list[str], log: Path, timeout: float) -> tuple[str, float]:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd[:3])} … exited with status {proc.returncode}:\n{tail(log)}")
+            message = f"{' '.join(cmd[:3])} … exited with status {proc.returncode}:\n{tail(log)}"
+            raise Died(message, -proc.returncode) if proc.returncode < 0 else RuntimeError(message)
         out.seek(0)
         return out.read().decode(), peak
 
 
-def bench_llama(binary: Path, gguf: Path, threads: int, rounds: int, log: Path, repack: bool = False) -> dict:
-    """`llama-bench` pp128, pp512 and tg128 on `gguf` (mean tok/s over `rounds` repetitions) and its peak MiB."""
-    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-p", ",".join(map(str, PROMPT_LENGTHS)),
-           "-n", str(DECODE_TOKENS), "-r", str(rounds), "-o", "json", *(["-rtr", "1"] if repack else [])]
-    text, peak = measured(cmd, log, timeout=3600)
-    rows = json.loads(text[text.index("["):])
+def llama_bench(cmd: list[str], log: Path) -> dict:
+    """One `llama-bench` run's figures: tok/s per test (pp128, pp512, tg128) and the peak MiB."""
+    text, peak = measured(cmd + ["-o", "json"], log, timeout=3600)
     figures = {"peak_mib": peak}
-    for row in rows:
-        key = f"pp{row['n_prompt']}" if row["n_gen"] == 0 else f"tg{row['n_gen']}"
-        figures[key] = row["avg_ts"]
+    for row in json.loads(text[text.index("["):]):
+        figures[f"pp{row['n_prompt']}" if row["n_gen"] == 0 else f"tg{row['n_gen']}"] = row["avg_ts"]
     return figures
+
+
+def bench_llama(binary: Path, gguf: Path, threads: int, rounds: int, log: Path, repack: bool = False) -> dict:
+    """`llama-bench` pp128, pp512 and tg128 on `gguf` (mean tok/s over `rounds` repetitions) and its peak MiB.
+
+    On a CPU with AMX, mainline llama.cpp repacks Q4_1 weights for its AMX kernels, and this version's AMX prefill
+    dies of SIGILL on some such CPUs (a tile instruction without its tile configuration). There prefill is measured
+    again without repacking (`--repack 0`, its AVX-512 kernels) and decode with it; `prefill_repacked` says which."""
+    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-r", str(rounds), *(["-rtr", "1"] if repack else [])]
+    prompts, decode = ["-p", ",".join(map(str, PROMPT_LENGTHS))], ["-n", str(DECODE_TOKENS)]
+    try:
+        return {**llama_bench(cmd + prompts + decode, log), "prefill_repacked": True}
+    except Died as e:
+        if e.signal_number != signal.SIGILL:
+            raise
+    tg, pp = llama_bench(cmd + ["-p", "0"] + decode, log), llama_bench(cmd + prompts + ["-n", "0", "--repack", "0"], log)
+    return {**pp, **tg, "peak_mib": max(pp["peak_mib"], tg["peak_mib"]), "prefill_repacked": False}
 
 
 def bench_minillm(hf: Path, threads: int, rounds: int, log: Path) -> dict:

@@ -40,7 +40,7 @@ void decode_step_f32(const Model *md, float *x, int64_t m, const int64_t *positi
                      const int32_t *block_tables, const int32_t *context_lens, int64_t max_blocks) {
     const Layer *first = md->layers;
     const int64_t hidden = md->hidden, heads = md->heads, kv_heads = md->kv_heads, d = md->head_dim;
-    const int64_t q_width = heads * d, kv_width = kv_heads * d, qkv_width = first->qkv.n;
+    const int64_t q_width = heads * d, qkv_width = first->qkv.n;
     const int64_t gu_width = first->gate_up.n, inter = gu_width / 2;
     int64_t widest = hidden; /* the longest row that is rounded to int8 for a product */
     if (inter > widest) widest = inter;

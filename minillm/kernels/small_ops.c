@@ -1,8 +1,9 @@
 /* The small operations between a decoder layer's products, on float32 rows: RMSNorm, RoPE and SiLU times up.
  * minillm/layers.py defines each in PyTorch and, on a CPU, calls these instead; the fused decode step
- * (decode_step.c) includes this file and calls the same row functions. Each row function is kept out of line, one
- * compiled body whoever calls it, so that a step layer by layer and a fused step compute the same floats: an
- * input of a product that differs in its last bit can round to another int8 code, and the tokens drift apart.
+ * (decode_step.c) and the attention kernel (paged_decode.c) include this file and call the same row functions.
+ * Each row function is kept out of line, one compiled body whoever calls it, so that a step layer by layer and a
+ * fused step compute the same floats: an input of a product that differs in its last bit can round to another int8
+ * code, and the tokens drift apart.
  * Compiled at first use by minillm/kernels/small_ops.py. */
 #include <math.h>
 #include <omp.h>

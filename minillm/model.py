@@ -158,7 +158,8 @@ class CausalLM(nn.Module):
         """This model's decode step as one C call over `kv_cache` (`kernels/decode_step.py`), or None where it does
         not apply. It needs every layer's four products in the C kernel's int4/int8 layouts (a model quantized on
         a CPU with that kernel), no bias but on q/k/v, a dense MLP, the whole model in this process, a float32 or
-        int8 cache, and the C kernels built. Built at the first call for a cache, and again when the layers were replaced since."""
+        int8 cache, and the C kernels built. Built at the first call for a cache, and again when the layers were
+        replaced since."""
         qkv = self.layers[0].self_attn.qkv_proj
         if self._fused is None or self._fused[0] is not kv_cache or self._fused[1] is not qkv:
             self._fused = (kv_cache, qkv, _fused_decode_step(self, kv_cache))

@@ -27,38 +27,12 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.record import add_threads_option, use_threads
-from minillm import LLM, SamplingParams
+from minillm import LLM
 from minillm.attention import _Part, cpu_decode_attention, decode_attention, quantize_kv
-from minillm.roofline import matvec_step
+from minillm.roofline import matvec_step, paired_steps, start_decoding
 
 TARGET = 0.85  # bare/engine at every batch up to TARGET_BATCH at the shortest context
 TARGET_BATCH = 32
-
-
-def prefill(engine, batch: int, context: int, gen: torch.Generator) -> list[str]:
-    """Add `batch` requests with random prompts of `context` tokens and step until all are decoding (they run
-    until aborted: the first ones admitted decode while the last ones are still being prefilled)."""
-    vocab = engine.config.vocab_size
-    ids = [engine.add_request(None, torch.randint(0, vocab, (context,), generator=gen).tolist(),
-                              SamplingParams(max_tokens=10_000, ignore_eos=True)) for _ in range(batch)]
-    while engine.num_waiting_seqs() or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
-        engine.step()
-    if len(engine.scheduler.running) != batch:
-        raise RuntimeError(f"only {len(engine.scheduler.running)} of {batch} requests fit; raise --kv-blocks")
-    return ids
-
-
-def paired_steps(engine, bare, steps: int) -> tuple[list[float], list[float]]:
-    """Seconds of `steps` engine decode steps, each followed by one bare step."""
-    engine_times, bare_times = [], []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        middle = time.perf_counter()
-        bare()
-        engine_times.append(middle - start)
-        bare_times.append(time.perf_counter() - middle)
-    return engine_times, bare_times
 
 
 def attention_times(engine, rounds: int = 5) -> dict[str, float]:
@@ -128,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     misses = []
     for context in args.contexts:
         for batch in args.batches:
-            ids = prefill(engine, batch, context, gen)
+            ids = start_decoding(engine, batch, context, gen)
             bare = matvec_step(engine.model, batch)
             paired_steps(engine, bare, 2)  # warm-up at this shape
             attention = attention_times(engine)

@@ -28,10 +28,9 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.decode_batch import paired_steps, prefill
 from benchmarks.record import add_threads_option, save_json, use_threads
 from minillm import LLM
-from minillm.roofline import matvec_step, step_weight_bytes
+from minillm.roofline import matvec_step, paired_steps, start_decoding, step_weight_bytes
 
 TARGET = 0.85  # bare/step of the fused step at batch 16 and 32
 
@@ -74,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for batch in args.batches:
             # every cache gets the same prompts
-            ids = [prefill(engine, batch, args.context, torch.Generator().manual_seed(batch)) for engine in engines]
+            ids = [start_decoding(engine, batch, args.context, torch.Generator().manual_seed(batch))
+                   for engine in engines]
             kv_mb = [kv_bytes(engine) / 1e6 for engine in engines]  # what the first timed step reads
             bare = [matvec_step(engine.model, batch) for engine in engines]
             ways = [(i, fused) for i in range(len(engines)) for fused in (True, False)]

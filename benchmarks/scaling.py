@@ -205,11 +205,10 @@ def child(hf: Path, threads: int, rounds: int) -> dict:
     tokens; printed as one JSON line."""
     import torch
 
-    from benchmarks.decode_batch import paired_steps, prefill
     from minillm import LLM, SamplingParams
     from minillm.kv_cache import kv_block_bytes
     from minillm.metrics import tpot
-    from minillm.roofline import measure_bandwidth, step_weight_bytes
+    from minillm.roofline import measure_bandwidth, paired_steps, start_decoding, step_weight_bytes
 
     os.environ["MINILLM_NUM_THREADS"] = str(threads)
     tokens = max(BATCHES) * (BATCH_CONTEXT + 64)
@@ -243,7 +242,7 @@ def child(hf: Path, threads: int, rounds: int) -> dict:
     kv_token = kv_block_bytes(engine.config, engine.args.block_size, engine.dtype) / engine.args.block_size
     gen = torch.Generator().manual_seed(0)
     for batch in BATCHES:
-        ids = prefill(engine, batch, BATCH_CONTEXT, gen)
+        ids = start_decoding(engine, batch, BATCH_CONTEXT, gen)
         paired_steps(engine, lambda: None, 2)  # warm-up at this batch
         step = statistics.median(paired_steps(engine, lambda: None, 4 * rounds)[0])
         context = statistics.mean(s.num_tokens for s in engine.scheduler.running)

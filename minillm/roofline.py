@@ -5,7 +5,9 @@ Prefill and decode run the same layers; what differs is how many tokens share ea
 `prefill_costs` and `decode_costs` count both, op by op; `measure_bandwidth` and `measure_matmul_flops`
 measure the machine's two roofs (bytes/s and FLOP/s), whose ratio, the ridge point, splits memory-bound
 work from compute-bound work; `measure_cache_bandwidth` and `cpu_cache_sizes` place the caches above the
-memory (chapter 3's memory hierarchy).
+memory (chapter 3's memory hierarchy). Chapter 6 adds a third roof, `measure_int8_peak`: the rate of the 8-bit
+multiply-adds its quantized kernels run on, which bounds a batched quantized step as the bandwidth bounds one
+at batch 1.
 
 Conventions: a multiply-add is 2 FLOPs (as `torch.utils.flop_counter` counts matmuls); softmax, RMSNorm,
 RoPE and SwiGLU are counted at a few FLOPs per element (stated at each op); bytes are the ideal traffic,
@@ -14,6 +16,8 @@ every tensor read or written once (weights once per forward pass, whatever the n
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -232,6 +236,50 @@ def measure_matmul_flops(n: int | None = None, dtype: torch.dtype | None = None,
     return 2 * n ** 3 / time_median(lambda: x @ y, device, repeats, warmup=2)
 
 
+@functools.cache
+def int8_peak_library():
+    """`kernels/int8_peak.c` built for this CPU and loaded: `int8_macs(iters, sink)`, or None where it cannot be
+    built."""
+    from .kernels.cpu import build_and_load
+
+    lib = build_and_load(Path(__file__).parent / "kernels" / "int8_peak.c")
+    if lib is not None:
+        lib.int8_macs.restype, lib.int8_macs.argtypes = ctypes.c_double, [ctypes.c_int64, ctypes.c_void_p]
+    return lib
+
+
+def measure_int8_peak(seconds: float = 0.2) -> float:
+    """8-bit multiply-adds per second on this CPU with the instructions of minillm's int4/int8 kernel
+    (`kernels/int8_peak.c`: independent accumulators, nothing read from memory), on torch's threads; the best of 5
+    calls of about `seconds` each. The arithmetic roof of a batched quantized step, as `measure_bandwidth` is its
+    bytes roof. Raises where the C file cannot be built or this CPU has neither AVX512-VNNI nor AVX2."""
+    lib = int8_peak_library()
+    if lib is None:
+        raise RuntimeError("kernels/int8_peak.c could not be built here (is a C compiler installed?)")
+    sink, iters = ctypes.c_int32(0), 1 << 12
+    while True:  # grow the loop until one call takes about `seconds`
+        start = time.perf_counter()
+        if lib.int8_macs(iters, ctypes.byref(sink)) == 0:
+            raise RuntimeError("this CPU has neither AVX512-VNNI nor AVX2: the kernel multiplies in plain C")
+        if time.perf_counter() - start > seconds / 2:
+            break
+        iters *= 2
+    best = 0.0
+    for _ in range(5):
+        start = time.perf_counter()
+        macs = lib.int8_macs(iters, ctypes.byref(sink))
+        best = max(best, macs / (time.perf_counter() - start))
+    return best
+
+
+def step_macs(model, batch: int = 1) -> int:
+    """Multiply-adds of a decode step's weight products at `batch` rows: every linear layer of `decode_linears`
+    and the head."""
+    config = model.config
+    return batch * (sum(lin.in_features * lin.out_features for lin in decode_linears(model))
+                    + config.vocab_size * config.hidden_size)
+
+
 def decode_linears(model) -> list:
     """The linear layers a decode step runs, in call order: q/k/v, o, gate/up, down of every block (not the head)."""
     return [lin for layer in model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -276,6 +324,39 @@ def engine_and_bare(engine, prompt_ids: list[int], tokens: int, bare: Callable[[
     while engine.has_unfinished_requests():
         start = time.perf_counter()
         engine.step()  # samples with .tolist(): the step has finished on the device when it returns
+        middle = time.perf_counter()
+        bare()
+        sync()
+        engine_times.append(middle - start)
+        bare_times.append(time.perf_counter() - middle)
+    return engine_times, bare_times
+
+
+def start_decoding(engine, batch: int, context: int, gen: torch.Generator) -> list[str]:
+    """Add `batch` requests with random prompts of `context` tokens to `engine` (an `LLMEngine`) and step until
+    all are decoding; their ids. They run until aborted (the first ones admitted decode while the last ones are
+    still being prefilled)."""
+    from .sampling import SamplingParams
+
+    vocab = engine.config.vocab_size
+    ids = [engine.add_request(None, torch.randint(0, vocab, (context,), generator=gen).tolist(),
+                              SamplingParams(max_tokens=10_000, ignore_eos=True)) for _ in range(batch)]
+    while engine.num_waiting_seqs() or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
+        engine.step()
+    if len(engine.scheduler.running) != batch:
+        raise RuntimeError(f"only {len(engine.scheduler.running)} of {batch} requests fit; give the engine more KV "
+                           "blocks")
+    return ids
+
+
+def paired_steps(engine, bare: Callable[[], None], steps: int) -> tuple[list[float], list[float]]:
+    """Seconds of `steps` decode steps of `engine`, each followed at once by one call of `bare` (e.g.
+    `matvec_step` at the running batch), as `engine_and_bare` does for one request."""
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    engine_times, bare_times = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
         middle = time.perf_counter()
         bare()
         sync()

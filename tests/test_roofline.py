@@ -160,3 +160,41 @@ def test_cpu_cache_sizes_from_sysfs(tmp_path):
             (index / name).write_text(f"{value}\n")
     assert rl.cpu_cache_sizes(str(tmp_path)) == {"L1d": 48 << 10, "L2": 1 << 20, "L3": 32 << 20}
     assert rl.cpu_cache_sizes(str(tmp_path / "absent")) == {}
+
+
+def test_int8_peak_counts_real_multiply_adds():
+    """The peak's loop is not optimized away: its accumulators end where the dot products put them."""
+    from minillm.kernels.int4_cpu import int4_cpu_isa
+
+    isa, lib = int4_cpu_isa(), rl.int8_peak_library()
+    if isa not in ("avx512vnni", "avx2") or lib is None:
+        pytest.skip(f"the kernel multiplies with {isa} here")
+    import ctypes
+
+    threads, iters, sink = torch.get_num_threads(), 100, ctypes.c_int32(0)
+    macs = lib.int8_macs(iters, ctypes.byref(sink))
+    # thread t's chains c start every 32-bit lane at c and add, each round, the products of 3s and (t + 1)s: 4 of
+    # them a lane (vpdpbusd: 16 lanes, 12 chains) or, with AVX2, 4 (c + 1) (t + 1) (8 lanes, 6 chains)
+    tsum = threads * (threads + 1) // 2
+    if isa == "avx512vnni":
+        assert macs == threads * iters * 12 * 64
+        assert sink.value == threads * 16 * 66 + 16 * 12 * 12 * iters * tsum
+    else:
+        assert macs == threads * iters * 6 * 32
+        assert sink.value == threads * 8 * 15 + 8 * 4 * 21 * iters * tsum
+    assert rl.measure_int8_peak(seconds=0.02) > 1e9
+
+
+def test_batched_steps_start_pair_and_free(tiny, tiny_llama):
+    engine = tiny.engine
+    free = engine.block_manager.num_free_blocks
+    ids = rl.start_decoding(engine, 3, 20, torch.Generator().manual_seed(0))
+    assert len(ids) == 3 and all(s.num_uncomputed_tokens == 1 for s in engine.scheduler.running)
+    steps, products = rl.paired_steps(engine, rl.matvec_step(engine.model, 3), 2)
+    assert len(steps) == len(products) == 2 and min(steps + products) > 0
+    for rid in ids:
+        engine.abort(rid)
+    assert not engine.has_unfinished_requests() and engine.block_manager.num_free_blocks == free
+    small = LLM(tiny_llama, device="cpu", dtype=torch.float32, max_num_seqs=4, enable_prefix_caching=False)
+    with pytest.raises(RuntimeError, match="of 6 requests fit"):
+        rl.start_decoding(small.engine, 6, 20, torch.Generator().manual_seed(0))

@@ -1,0 +1,75 @@
+"""Batched int4 decode steps against both of their floors: the bytes floor and the arithmetic floor.
+
+`benchmarks/scaling.py` compares a step at batch 16 or 32 with its bytes floor (weights and KV read once at the
+measured read bandwidth). A step at batch B also does B multiply-adds per weight, and the C kernel does them as
+8-bit integer dot products (`minillm/kernels/int4_matmul.c`), so a second floor is those multiply-adds at the
+CPU's peak rate for those instructions with the same threads (`minillm.roofline.measure_int8_peak`: independent
+accumulators, nothing read from memory). Printed per batch: the step and its bare weight products
+(`matvec_step`), both floors, and the products' multiply-add rate as a share of the peak, all measured in one
+run. Chapter 6.7 measures the same at the chapter's one thread.
+
+    .venv/bin/python -m benchmarks.batched_roof [--batches 1 16 32] [--threads 2] [--steps 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a file: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.record import add_threads_option, use_threads
+from minillm import LLM
+from minillm.kernels.int4_cpu import int4_cpu_isa
+from minillm.kv_cache import kv_block_bytes
+from minillm.roofline import (matvec_step, measure_bandwidth, measure_int8_peak, paired_steps, start_decoding,
+                              step_macs, step_weight_bytes)
+
+CONTEXT = 64  # tokens of each request's prompt, as scaling.py's batched steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.batched_roof", description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32])
+    parser.add_argument("--steps", type=int, default=12, help="paired decode steps per batch")
+    add_threads_option(parser)
+    args = parser.parse_args(argv)
+    use_threads(args)
+
+    tokens = max(args.batches) * (CONTEXT + args.steps + 16)
+    llm = LLM(quantization="int4", max_num_seqs=max(args.batches), enable_prefix_caching=False,
+              num_kv_blocks=int(1.1 * tokens / 16) + 64)
+    engine, gen = llm.engine, torch.Generator().manual_seed(0)
+    peak = measure_int8_peak()
+    bandwidth = measure_bandwidth("read", nbytes=1 << 28)
+    weights = step_weight_bytes(engine.model)
+    kv_token = kv_block_bytes(engine.config, engine.args.block_size, engine.dtype) / engine.args.block_size
+    print(f"int4, {torch.get_num_threads()} threads, kernel {int4_cpu_isa()}; 8-bit multiply-add peak "
+          f"{peak / 1e9:.0f} G/s; read bandwidth {bandwidth / 1e9:.1f} GB/s; {weights / 1e6:.1f} MB of weights a step")
+    print(f"{'batch':>5} {'step ms':>8} {'products':>8} {'bytes floor':>11} {'arith floor':>11} "
+          f"{'step/bytes':>10} {'step/max':>8} {'products/peak':>13}")
+    for batch in args.batches:
+        ids = start_decoding(engine, batch, CONTEXT, gen)
+        bare = matvec_step(engine.model, batch)
+        paired_steps(engine, bare, 2)  # warm-up at this batch
+        steps, products = paired_steps(engine, bare, args.steps)
+        context = statistics.mean(s.num_tokens for s in engine.scheduler.running)
+        for rid in ids:
+            engine.abort(rid)
+        step, prod = statistics.median(steps), statistics.median(products)
+        bytes_floor = (weights + batch * context * kv_token) / bandwidth
+        macs = step_macs(engine.model, batch)
+        arith_floor = macs / peak
+        print(f"{batch:5d} {1e3 * step:8.2f} {1e3 * prod:8.2f} {1e3 * bytes_floor:11.2f} {1e3 * arith_floor:11.2f} "
+              f"{step / bytes_floor:10.2f} {step / max(bytes_floor, arith_floor):8.2f} "
+              f"{macs / prod / peak:13.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+/* Chapter 6 — the CPU's rate of 8-bit multiply-adds with the instructions of minillm's int4/int8 kernel
+ * (int4_matmul.c): AVX512-VNNI's vpdpbusd (64 a 512-bit instruction), or AVX2's vpmaddubsw + vpmaddwd (32 a
+ * pair). Each OpenMP thread runs `iters` rounds of independent accumulators (enough to hide the instructions'
+ * latency) with nothing loaded from memory: the arithmetic's ceiling, against which a batched product's time is
+ * read (minillm.roofline.measure_int8_peak). Compiled like the kernels, for this CPU. Returns the multiply-adds
+ * done by all threads together (0 where the CPU has neither instruction set); `sink` gets the sum of every
+ * accumulator, so the work cannot be optimized away (and a test can check it). */
+#include <omp.h>
+#include <stdint.h>
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define CHAINS 12
+
+double int8_macs(int64_t iters, int32_t *sink) {
+    double total = 0;
+#pragma omp parallel reduction(+ : total)
+    {
+        int32_t s = 0;
+#if defined(__AVX512VNNI__)
+        __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8((char)(omp_get_thread_num() + 1)), acc[CHAINS];
+        for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_set1_epi32(c);
+        for (int64_t i = 0; i < iters; i++) {
+            __asm__ volatile("" : "+v"(a), "+v"(b)); /* operands "changed": nothing is folded into constants */
+            for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_dpbusd_epi32(acc[c], a, b);
+        }
+        for (int c = 0; c < CHAINS; c++) s += _mm512_reduce_add_epi32(acc[c]);
+        total += (double)iters * CHAINS * 64;
+#elif defined(__AVX2__)
+        /* 16 registers: 6 chains, each with its own operand, which the empty asm marks as changed every round so
+         * that its products are computed again rather than hoisted (the register is not touched) */
+        __m256i a[6], acc[6];
+        const __m256i b = _mm256_set1_epi8((char)(omp_get_thread_num() + 1)), ones = _mm256_set1_epi16(1);
+        for (int c = 0; c < 6; c++) a[c] = _mm256_set1_epi8((char)(c + 1)), acc[c] = _mm256_set1_epi32(c);
+        for (int64_t i = 0; i < iters; i++) {
+            __asm__ volatile("" : "+x"(a[0]), "+x"(a[1]), "+x"(a[2]), "+x"(a[3]), "+x"(a[4]), "+x"(a[5]));
+            for (int c = 0; c < 6; c++)
+                acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(_mm256_maddubs_epi16(a[c], b), ones));
+        }
+        for (int c = 0; c < 6; c++) {
+            int32_t lanes[8];
+            _mm256_storeu_si256((__m256i *)lanes, acc[c]);
+            for (int j = 0; j < 8; j++) s += lanes[j];
+        }
+        total += (double)iters * 6 * 32;
+#else
+        (void)iters;
+#endif
+#pragma omp atomic
+        *sink += s;
+    }
+    return total;
+}

@@ -344,8 +344,8 @@ def start_decoding(engine, batch: int, context: int, gen: torch.Generator) -> li
     while engine.num_waiting_seqs() or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
         engine.step()
     if len(engine.scheduler.running) != batch:
-        raise RuntimeError(f"only {len(engine.scheduler.running)} of {batch} requests fit; give the engine more KV "
-                           "blocks")
+        raise RuntimeError(f"only {len(engine.scheduler.running)} of {batch} requests decode at once; the engine "
+                           f"needs max_num_seqs >= {batch} and KV blocks for all of them")
     return ids
 
 

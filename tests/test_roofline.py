@@ -196,5 +196,5 @@ def test_batched_steps_start_pair_and_free(tiny, tiny_llama):
         engine.abort(rid)
     assert not engine.has_unfinished_requests() and engine.block_manager.num_free_blocks == free
     small = LLM(tiny_llama, device="cpu", dtype=torch.float32, max_num_seqs=4, enable_prefix_caching=False)
-    with pytest.raises(RuntimeError, match="of 6 requests fit"):
+    with pytest.raises(RuntimeError, match="of 6 requests decode at once"):
         rl.start_decoding(small.engine, 6, 20, torch.Generator().manual_seed(0))

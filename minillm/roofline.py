@@ -317,19 +317,9 @@ def engine_and_bare(engine, prompt_ids: list[int], tokens: int, bare: Callable[[
     followed at once by one call of `bare` (e.g. `matvec_step`), so both see the same machine (load, clocks)."""
     from .sampling import SamplingParams
 
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     engine.add_request(None, prompt_ids, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
-    engine.step()  # prefill
-    engine_times, bare_times = [], []
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        engine.step()  # samples with .tolist(): the step has finished on the device when it returns
-        middle = time.perf_counter()
-        bare()
-        sync()
-        engine_times.append(middle - start)
-        bare_times.append(time.perf_counter() - middle)
-    return engine_times, bare_times
+    engine.step()  # prefill, and the first token
+    return paired_steps(engine, bare, tokens)  # the request's last `tokens` steps
 
 
 def start_decoding(engine, batch: int, context: int, gen: torch.Generator) -> list[str]:
@@ -351,12 +341,12 @@ def start_decoding(engine, batch: int, context: int, gen: torch.Generator) -> li
 
 def paired_steps(engine, bare: Callable[[], None], steps: int) -> tuple[list[float], list[float]]:
     """Seconds of `steps` decode steps of `engine`, each followed at once by one call of `bare` (e.g.
-    `matvec_step` at the running batch), as `engine_and_bare` does for one request."""
+    `matvec_step` at the running batch), so both see the same machine (load, clocks)."""
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     engine_times, bare_times = [], []
     for _ in range(steps):
         start = time.perf_counter()
-        engine.step()
+        engine.step()  # samples with .tolist(): the step has finished on the device when it returns
         middle = time.perf_counter()
         bare()
         sync()

@@ -26,9 +26,8 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 from benchmarks.record import add_threads_option, use_threads
 from minillm import LLM
 from minillm.kernels.int4_cpu import int4_cpu_isa
-from minillm.kv_cache import kv_block_bytes
-from minillm.roofline import (matvec_step, measure_bandwidth, measure_int8_peak, paired_steps, start_decoding,
-                              step_macs, step_weight_bytes)
+from minillm.roofline import (matvec_step, measure_bandwidth, measure_int8_peak, paired_steps, running_step_bytes,
+                              start_decoding, step_macs, step_weight_bytes)
 
 CONTEXT = 64  # tokens of each request's prompt, as scaling.py's batched steps
 
@@ -48,7 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     peak = measure_int8_peak()
     bandwidth = measure_bandwidth("read", nbytes=1 << 28)
     weights = step_weight_bytes(engine.model)
-    kv_token = kv_block_bytes(engine.config, engine.args.block_size, engine.dtype) / engine.args.block_size
     print(f"int4, {torch.get_num_threads()} threads, kernel {int4_cpu_isa()}; 8-bit multiply-add peak "
           f"{peak / 1e9:.0f} G/s; read bandwidth {bandwidth / 1e9:.1f} GB/s; {weights / 1e6:.1f} MB of weights a step")
     print(f"{'batch':>5} {'step ms':>8} {'products':>8} {'bytes floor':>11} {'arith floor':>11} "
@@ -58,11 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         bare = matvec_step(engine.model, batch)
         paired_steps(engine, bare, 2)  # warm-up at this batch
         steps, products = paired_steps(engine, bare, args.steps)
-        context = statistics.mean(s.num_tokens for s in engine.scheduler.running)
+        bytes_floor = running_step_bytes(engine) / bandwidth
         for rid in ids:
             engine.abort(rid)
         step, prod = statistics.median(steps), statistics.median(products)
-        bytes_floor = (weights + batch * context * kv_token) / bandwidth
         macs = step_macs(engine.model, batch)
         arith_floor = macs / peak
         print(f"{batch:5d} {1e3 * step:8.2f} {1e3 * prod:8.2f} {1e3 * bytes_floor:11.2f} {1e3 * arith_floor:11.2f} "

@@ -206,9 +206,8 @@ def child(hf: Path, threads: int, rounds: int) -> dict:
     import torch
 
     from minillm import LLM, SamplingParams
-    from minillm.kv_cache import kv_block_bytes
     from minillm.metrics import tpot
-    from minillm.roofline import measure_bandwidth, paired_steps, start_decoding, step_weight_bytes
+    from minillm.roofline import measure_bandwidth, paired_steps, running_step_bytes, start_decoding, step_weight_bytes
 
     os.environ["MINILLM_NUM_THREADS"] = str(threads)
     tokens = max(BATCHES) * (BATCH_CONTEXT + 64)
@@ -239,14 +238,12 @@ def child(hf: Path, threads: int, rounds: int) -> dict:
             times.append(time.perf_counter() - start)
         figures[f"pp{n}"] = n / statistics.median(times)
     bandwidth = measure_bandwidth("read", nbytes=1 << 28)
-    kv_token = kv_block_bytes(engine.config, engine.args.block_size, engine.dtype) / engine.args.block_size
     gen = torch.Generator().manual_seed(0)
     for batch in BATCHES:
         ids = start_decoding(engine, batch, BATCH_CONTEXT, gen)
         paired_steps(engine, lambda: None, 2)  # warm-up at this batch
         step = statistics.median(paired_steps(engine, lambda: None, 4 * rounds)[0])
-        context = statistics.mean(s.num_tokens for s in engine.scheduler.running)
-        floor = (figures["step_weight_bytes"] + batch * context * kv_token) / bandwidth
+        floor = running_step_bytes(engine) / bandwidth
         figures[f"batch{batch}_ms"], figures[f"batch{batch}_floor_ms"] = 1e3 * step, 1e3 * floor
         for rid in ids:
             engine.abort(rid)

@@ -322,6 +322,14 @@ def engine_and_bare(engine, prompt_ids: list[int], tokens: int, bare: Callable[[
     return paired_steps(engine, bare, tokens)  # the request's last `tokens` steps
 
 
+def running_step_bytes(engine) -> float:
+    """Bytes a decode step of `engine`'s running batch reads at the least: its weights once (`step_weight_bytes`)
+    and every running sequence's cached keys and values, at the pool's bytes per token (scales included)."""
+    kv = engine.kv_cache
+    per_token = kv.nbytes / (kv.num_blocks * kv.block_size)
+    return step_weight_bytes(engine.model) + per_token * sum(s.num_tokens for s in engine.scheduler.running)
+
+
 def start_decoding(engine, batch: int, context: int, gen: torch.Generator) -> list[str]:
     """Add `batch` requests with random prompts of `context` tokens to `engine` (an `LLMEngine`) and step until
     all are decoding; their ids. They run until aborted (the first ones admitted decode while the last ones are

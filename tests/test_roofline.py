@@ -190,6 +190,11 @@ def test_batched_steps_start_pair_and_free(tiny, tiny_llama):
     free = engine.block_manager.num_free_blocks
     ids = rl.start_decoding(engine, 3, 20, torch.Generator().manual_seed(0))
     assert len(ids) == 3 and all(s.num_uncomputed_tokens == 1 for s in engine.scheduler.running)
+    from minillm.kv_cache import kv_block_bytes
+
+    per_token = kv_block_bytes(engine.config, engine.args.block_size, engine.dtype) / engine.args.block_size
+    tokens = sum(s.num_tokens for s in engine.scheduler.running)
+    assert rl.running_step_bytes(engine) == rl.step_weight_bytes(engine.model) + per_token * tokens
     steps, products = rl.paired_steps(engine, rl.matvec_step(engine.model, 3), 2)
     assert len(steps) == len(products) == 2 and min(steps + products) > 0
     for rid in ids:

@@ -9,6 +9,7 @@ import torch
 
 from minillm import LLM, SamplingParams
 from minillm.kernels.decode_step import FusedDecodeStep, decode_step_available
+from minillm.kernels.int4_cpu import int4_cpu_amx
 from minillm.perplexity import eval_text
 from minillm.quant import use_c_kernel
 
@@ -95,6 +96,24 @@ def test_fused_step_writes_the_cache_the_modules_write(tiny_llama, kv):
         pools.append([t.clone() for t in llm.engine.kv_cache.layer(0) + llm.engine.kv_cache.layer(1)])
     assert len(pools[0]) == (4 if kv == "auto" else 8)
     assert all(torch.equal(a, b) for a, b in zip(*pools))
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_amx_changes_no_bit_of_a_batched_step(tiny_llama, method):
+    """18 sequences decoding together: with AMX (where there is one) the fused step's products take the first 16
+    rows to tiles; turned off, the same tokens and every decode step's output to the bit."""
+    if not int4_cpu_amx():
+        pytest.skip("no AMX here (the CPU, the build or Linux)")
+    llm = LLM(tiny_llama, device="cpu", dtype=torch.float32, num_kv_blocks=128, block_size=4, max_num_seqs=18,
+              enable_prefix_caching=False, quantization=method)
+    prompts = [list(range(5 + i, 12 + 2 * i)) for i in range(18)]
+    try:
+        on = decode_outputs(llm, prompts, 4, True)
+        int4_cpu_amx(False)
+        off = decode_outputs(llm, prompts, 4, True)
+    finally:
+        int4_cpu_amx(True)
+    assert on[0] == off[0] and len(on[1]) == 3 and all(torch.equal(a, b) for a, b in zip(on[1], off[1]))
 
 
 @requires_default_model

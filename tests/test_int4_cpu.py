@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from minillm.kernels import cpu, int4_cpu
-from minillm.kernels.int4_cpu import (Int4Weight, Int8Weight, int4_cpu_available, int4_cpu_isa, int4_matmul_cpu,
-                                     int8_matmul_cpu, matmul_unchecked, pack_int4_cpu, pack_int8_cpu)
+from minillm.kernels.int4_cpu import (Int4Weight, Int8Weight, int4_cpu_amx, int4_cpu_available, int4_cpu_isa,
+                                     int4_matmul_cpu, int8_matmul_cpu, matmul_unchecked, pack_int4_cpu, pack_int8_cpu)
 from minillm.quant import int4_linear, int8_linear, to_int4pack
 from minillm.quant_formats import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
@@ -152,6 +152,30 @@ def test_packed_layout_and_size():
     assert w.q.shape == (3, 72, 16, 4) and w.scale.shape == w.zero.shape == (3, 9, 16)
     assert w.nbytes == 48 * (576 // 2 + 4 * 576 // 64)  # rows padded to 48: 1/2 byte a weight, 4 bytes a group
     assert int4_cpu_isa() in ("avx512vnni", "avx2", "scalar")
+
+
+def test_amx_changes_no_bit():
+    """Where the products take whole groups of 16 rows to AMX tiles, turning that off (the AVX512-VNNI loop) changes
+    no output bit: int4 (groups of 32, 64 and 128) and int8 (a scale per row, per 32), with and without a residual,
+    at row counts around and across the groups of 16, on one thread and two."""
+    if not int4_cpu_amx():
+        pytest.skip("no AMX here (the CPU, the build or Linux)")
+    threads = torch.get_num_threads()
+    try:
+        for m, n, k, group in [(16, 40, 576, 32), (17, 1000, 576, 32), (33, 16, 1536, 64), (100, 40, 128, 128)]:
+            for matmul, w in ((int4_matmul_cpu, case(n, k, group)[1]), (int8_matmul_cpu, case8(n, k)[1]),
+                              (int8_matmul_cpu, case8(n, k, 32)[1])):
+                x, residual = activations(m, k), activations(m, n, seed=2)
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    got = {}
+                    for amx in (True, False):
+                        int4_cpu_amx(amx)
+                        got[amx] = (matmul(x, w), matmul(x, w, residual=residual))
+                    assert all(torch.equal(a, b) for a, b in zip(got[True], got[False])), (m, n, k, group, t)
+    finally:
+        int4_cpu_amx(True)
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set flags")

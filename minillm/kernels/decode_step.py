@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .cpu import build_and_load
-from .int4_cpu import Int4Weight, Int8Weight, _weight_args
+from .int4_cpu import Int4Weight, Int8Weight, _weight_args, adopt
 
 SOURCE = Path(__file__).with_name("decode_step.c")
 
@@ -49,6 +49,7 @@ def _library() -> ctypes.CDLL | None:
     lib = build_and_load(SOURCE)
     if lib is None:
         return None
+    adopt(lib)  # the products' AMX switch, set as the kernel's
     lib.decode_step_f32.restype = None
     lib.decode_step_f32.argtypes = [ctypes.POINTER(_Model), ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 \
         + [ctypes.c_int64]

@@ -68,6 +68,19 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                      + [ctypes.c_void_p] * 3 + [ctypes.c_int64])
     lib.quant_matmul_isa.restype = ctypes.c_char_p
     lib.quant_matmul_isa.argtypes = []
+    return adopt(lib)
+
+
+_amx = {"want": True, "libraries": []}  # the AMX setting, and every loaded library built from SOURCE (see adopt)
+
+
+def adopt(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib`, a library compiled from SOURCE (this kernel's, or the fused step's, which includes it), with its AMX
+    switch declared and set as `int4_cpu_amx` last set it."""
+    lib.quant_matmul_use_amx.restype = ctypes.c_int
+    lib.quant_matmul_use_amx.argtypes = [ctypes.c_int]
+    lib.quant_matmul_use_amx(int(_amx["want"]))
+    _amx["libraries"].append(lib)
     return lib
 
 
@@ -93,6 +106,20 @@ def _require() -> ctypes.CDLL:
 def int4_cpu_isa() -> str:
     """The instructions the kernel was compiled for on this machine: "avx512vnni", "avx2" or "scalar"."""
     return _require().quant_matmul_isa().decode()
+
+
+def int4_cpu_amx(want: bool | None = None) -> bool:
+    """Whether the products take each whole group of 16 rows of x (a batch of 16 or more: batched decode, prefill) to
+    AMX, the tile unit of Intel's Xeons since Sapphire Rapids, which multiplies a block of 16 rows by 16 weight rows
+    in one instruction where AVX512-VNNI's `vpdpbusd` does one row: the same integer sums, so the same results to
+    the bit. On where the CPU, the build (`-march=native`) and Linux allow it; `want` turns it on or off for the
+    process (to measure what it brings)."""
+    lib = _require()
+    if want is not None:
+        _amx["want"] = want
+        for loaded in _amx["libraries"]:
+            loaded.quant_matmul_use_amx(int(want))
+    return bool(lib.quant_matmul_use_amx(-1))
 
 
 def _tiles(t: torch.Tensor, rows: int) -> torch.Tensor:

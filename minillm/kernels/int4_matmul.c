@@ -179,6 +179,153 @@ static inline __attribute__((always_inline)) void tile8(const int8_t *wq, const 
     for (int r = 0; r < mr; r++) _mm512_mask_storeu_ps(out + (m0 + r) * n + n0, mask, acc[r]);
 }
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+/* AMX (Intel's tile unit, Sapphire Rapids on): one tdpbssd multiplies 16 rows of x's codes by a block of 32 inputs
+ * of 16 weight rows, 8192 multiply-adds where vpdpbusd does 64, into a 16 x 16 tile of the same exact integer sums
+ * the loop above forms row by row. The block's float arithmetic after it is the loop's, in its order, so the two
+ * paths agree to the bit; only the integer dot products moved. Used for each whole group of 16 rows of x (batched
+ * decode, prefill); the rows left over take the loop above. Linux lends a process the tile registers on request. */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define AMX_ROWS 16 /* rows of x per tile product */
+
+static int amx_on = 0; /* whether the products use AMX: on from load where Linux grants it */
+
+/* Ask for the tile registers once (the answer holds for the process); use them if granted and `want` is 1, not if
+ * it is 0 (a negative `want` changes nothing). Returns whether the products use them now. */
+int quant_matmul_use_amx(int want) {
+    static int granted = -1;
+    if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    if (want >= 0) amx_on = want && granted;
+    return amx_on;
+}
+
+__attribute__((constructor)) static void amx_default(void) { quant_matmul_use_amx(1); }
+
+/* Palette 1: tiles 0-3 the 16 x 16 int32 sums of up to AMX_BLOCKS blocks, tiles 4-5 16 rows of 32 x codes, tiles
+ * 6-7 a block's weights as 8 rows of (16 weight rows x 4 consecutive codes), the layout vpdpbusd takes, which is
+ * also tdpbssd's. Two of each operand, so that one block's loads overlap the other's product. */
+static void amx_configure(void) {
+    struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } __attribute__((packed))
+        cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 4; t++) cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = 64;
+    for (int t = 4; t < 6; t++) cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = BLOCK;
+    for (int t = 6; t < 8; t++) cfg.rows[t] = BLOCK / 4, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+#define AMX_BLOCKS 4 /* blocks multiplied before their sums are read back: a tile store's data reaches the vector
+                      * loads after it late, so the wait is paid once for four blocks */
+
+/* The integer sums of `nb` (1 to 4) consecutive blocks for 16 rows of x whose codes start at xq (row stride k), the
+ * block's weights every 512 bytes from w: dots[j][r][i] = sum over block j of x[r] q[i]. */
+static inline void amx_dots(const int8_t *xq, int64_t k, const int8_t *w, int nb, int32_t dots[][AMX_ROWS][16]) {
+#define AMX_DOT(c, xt, wt, j)                                                                        \
+    do {                                                                                             \
+        _tile_zero(c);                                                                               \
+        _tile_loadd(xt, xq + (j) * BLOCK, k);                                                        \
+        _tile_loadd(wt, w + (j) * 512, 64);                                                          \
+        _tile_dpbssd(c, xt, wt);                                                                     \
+    } while (0)
+    AMX_DOT(0, 4, 6, 0);
+    if (nb > 1) AMX_DOT(1, 5, 7, 1);
+    if (nb > 2) AMX_DOT(2, 4, 6, 2);
+    if (nb > 3) AMX_DOT(3, 5, 7, 3);
+#undef AMX_DOT
+    _tile_stored(0, dots[0], 64);
+    if (nb > 1) _tile_stored(1, dots[1], 64);
+    if (nb > 2) _tile_stored(2, dots[2], 64);
+    if (nb > 3) _tile_stored(3, dots[3], 64);
+}
+
+static void tile4_amx(const uint8_t *wq, const uint16_t *ws, const uint16_t *wz, const Acts *a, int64_t m0,
+                      int64_t g, const float *residual, float *out, int64_t n, int64_t n0, int64_t ncols) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const int64_t per_group = g / BLOCK;
+    int32_t dots[AMX_BLOCKS][AMX_ROWS][16] __attribute__((aligned(64)));
+    int8_t w[AMX_BLOCKS][8][64] __attribute__((aligned(64))); /* the blocks' codes unpacked, as the loop's w[] */
+    __m512 acc[AMX_ROWS], gsum[AMX_ROWS]; /* a group's sum carries over from one batch of blocks to the next */
+    for (int r = 0; r < AMX_ROWS; r++) acc[r] = gsum[r] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < a->blocks; b0 += AMX_BLOCKS) {
+        const int nb = a->blocks - b0 < AMX_BLOCKS ? (int)(a->blocks - b0) : AMX_BLOCKS;
+        for (int j = 0; j < nb; j++) {
+            const uint8_t *p = wq + (b0 + j) * 4 * 64;
+            for (int v = 0; v < 4; v++) {
+                _mm_prefetch((const char *)(p + AHEAD * 4 * 64 + 64 * v), _MM_HINT_T0);
+                const __m512i raw = _mm512_loadu_si512(p + 64 * v);
+                _mm512_store_si512(w[j][2 * v], _mm512_and_si512(raw, low));
+                _mm512_store_si512(w[j][2 * v + 1], _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
+            }
+        }
+        amx_dots(a->q + m0 * a->k + b0 * BLOCK, a->k, w[0][0], nb, dots);
+        for (int j = 0; j < nb; j++) { /* the loop's float arithmetic, in its order for each row */
+            const int64_t b = b0 + j, gi = b / per_group;
+            if (b % per_group == 0)
+                for (int r = 0; r < AMX_ROWS; r++) gsum[r] = _mm512_set1_ps(a->corr[(m0 + r) * a->groups + gi]);
+            for (int r = 0; r < AMX_ROWS; r++) {
+                const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots[j][r]));
+                gsum[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(a->scale[(m0 + r) * a->blocks + b]), gsum[r]);
+            }
+            if (b % per_group == per_group - 1) {
+                _mm_prefetch((const char *)(ws + (gi + AHEAD) * ROWS), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wz + (gi + AHEAD) * ROWS), _MM_HINT_T0);
+                const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ws + gi * ROWS)));
+                const __m512 zw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wz + gi * ROWS)));
+                for (int r = 0; r < AMX_ROWS; r++) {
+                    acc[r] = _mm512_fmadd_ps(gsum[r], sw, acc[r]);
+                    acc[r] = _mm512_fmadd_ps(zw, _mm512_set1_ps(a->sum[(m0 + r) * a->groups + gi]), acc[r]);
+                }
+            }
+        }
+    }
+    const __mmask16 mask = (__mmask16)((1u << ncols) - 1);
+    for (int r = 0; r < AMX_ROWS; r++) {
+        const int64_t at = (m0 + r) * n + n0;
+        __m512 y = acc[r];
+        if (residual) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, residual + at));
+        _mm512_mask_storeu_ps(out + at, mask, y);
+    }
+}
+
+/* The int8 tile: its codes are signed already, in the tile's layout, so tdpbssd reads them where they lie. */
+static void tile8_amx(const int8_t *wq, const float *ws, const Acts *a, int64_t m0, int64_t g, const float *residual,
+                      float *out, int64_t n, int64_t n0, int64_t ncols) {
+    const __mmask16 mask = (__mmask16)((1u << ncols) - 1);
+    const int64_t per_group = g / BLOCK;
+    int32_t dots[AMX_BLOCKS][AMX_ROWS][16] __attribute__((aligned(64)));
+    __m512 acc[AMX_ROWS], gsum[AMX_ROWS];
+    for (int r = 0; r < AMX_ROWS; r++) {
+        acc[r] = residual ? _mm512_maskz_loadu_ps(mask, residual + (m0 + r) * n + n0) : _mm512_setzero_ps();
+        gsum[r] = _mm512_setzero_ps();
+    }
+    for (int64_t b0 = 0; b0 < a->blocks; b0 += AMX_BLOCKS) {
+        const int nb = a->blocks - b0 < AMX_BLOCKS ? (int)(a->blocks - b0) : AMX_BLOCKS;
+        const int8_t *p = wq + b0 * 8 * 64;
+        for (int v = 0; v < 8 * nb; v++) _mm_prefetch((const char *)(p + AHEAD8 * 8 * 64 + 64 * v), _MM_HINT_T0);
+        amx_dots(a->q + m0 * a->k + b0 * BLOCK, a->k, p, nb, dots);
+        for (int j = 0; j < nb; j++) {
+            const int64_t b = b0 + j;
+            if (b % per_group == 0)
+                for (int r = 0; r < AMX_ROWS; r++) gsum[r] = _mm512_setzero_ps();
+            for (int r = 0; r < AMX_ROWS; r++) {
+                const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots[j][r]));
+                gsum[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(a->scale[(m0 + r) * a->blocks + b]), gsum[r]);
+            }
+            if (b % per_group == per_group - 1) {
+                const __m512 sw = _mm512_loadu_ps(ws + b / per_group * ROWS);
+                for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_fmadd_ps(gsum[r], sw, acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < AMX_ROWS; r++) _mm512_mask_storeu_ps(out + (m0 + r) * n + n0, mask, acc[r]);
+}
+#define HAVE_AMX 1
+#endif
+
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 const char *quant_matmul_isa(void) { return "avx2"; }
 
@@ -342,6 +489,10 @@ static void tile8(const int8_t *wq, const float *ws, const Acts *a, int64_t m0, 
 }
 #endif
 
+#ifndef HAVE_AMX
+int quant_matmul_use_amx(int want) { (void)want; return 0; } /* this build has no tile products */
+#endif
+
 /* Rows m0 .. m0 + mr of x over output tile t: constant row counts, so each copy keeps its sums in registers. */
 static void rows(const Weight *w, const Acts *a, int64_t t, int64_t m0, int64_t mr, const float *residual,
                  float *out) {
@@ -349,6 +500,9 @@ static void rows(const Weight *w, const Acts *a, int64_t t, int64_t m0, int64_t 
     if (w->bits == 8) {
         const int8_t *tq = (const int8_t *)w->q + t * w->k * ROWS;
         const float *ts = (const float *)w->scale + t * a->groups * ROWS;
+#ifdef HAVE_AMX
+        if (mr == AMX_ROWS) return tile8_amx(tq, ts, a, m0, g, residual, out, n, n0, ncols);
+#endif
         switch (mr) {
         case 4: tile8(tq, ts, a, m0, 4, g, residual, out, n, n0, ncols); break;
         case 3: tile8(tq, ts, a, m0, 3, g, residual, out, n, n0, ncols); break;
@@ -360,6 +514,9 @@ static void rows(const Weight *w, const Acts *a, int64_t t, int64_t m0, int64_t 
     const uint8_t *tq = (const uint8_t *)w->q + t * (w->k / 8) * 64;
     const uint16_t *ts = (const uint16_t *)w->scale + t * a->groups * ROWS;
     const uint16_t *tz = (const uint16_t *)w->zero + t * a->groups * ROWS;
+#ifdef HAVE_AMX
+    if (mr == AMX_ROWS) return tile4_amx(tq, ts, tz, a, m0, g, residual, out, n, n0, ncols);
+#endif
     switch (mr) {
     case 4: tile4(tq, ts, tz, a, m0, 4, g, residual, out, n, n0, ncols); break;
     case 3: tile4(tq, ts, tz, a, m0, 3, g, residual, out, n, n0, ncols); break;
@@ -385,10 +542,21 @@ static void acts_free(Acts *a) { free(a->scale); } /* the start of the allocatio
 static void products(const Weight *w, const Acts *a, const float *residual, float *out, int64_t m, int64_t id,
                      int64_t threads) {
     const int64_t tiles = (w->n + ROWS - 1) / ROWS, chunks = (m + MCHUNK - 1) / MCHUNK, items = tiles * chunks;
+#ifdef HAVE_AMX
+    const int amx = amx_on > 0 && m >= AMX_ROWS;
+    if (amx) amx_configure();
+#endif
     for (int64_t item = items * id / threads; item < items * (id + 1) / threads; item++) {
         const int64_t t = item / chunks, c = item % chunks, end = (c + 1) * MCHUNK < m ? (c + 1) * MCHUNK : m;
-        for (int64_t m0 = c * MCHUNK; m0 < end; m0 += MR) rows(w, a, t, m0, end - m0 < MR ? end - m0 : MR, residual, out);
+        int64_t m0 = c * MCHUNK;
+#ifdef HAVE_AMX
+        for (; amx && m0 + AMX_ROWS <= end; m0 += AMX_ROWS) rows(w, a, t, m0, AMX_ROWS, residual, out);
+#endif
+        for (; m0 < end; m0 += MR) rows(w, a, t, m0, end - m0 < MR ? end - m0 : MR, residual, out);
     }
+#ifdef HAVE_AMX
+    if (amx) _tile_release();
+#endif
 }
 
 /* out = x W^T (+ residual) for x [m, k] float32 and W [n, k] in one of the layouts above (bits 4 or 8; k a multiple

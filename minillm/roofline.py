@@ -244,30 +244,37 @@ def int8_peak_library():
 
     lib = build_and_load(Path(__file__).parent / "kernels" / "int8_peak.c")
     if lib is not None:
-        lib.int8_macs.restype, lib.int8_macs.argtypes = ctypes.c_double, [ctypes.c_int64, ctypes.c_void_p]
+        for fn in (lib.int8_macs, lib.int8_macs_amx):
+            fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_int64, ctypes.c_void_p]
     return lib
 
 
-def measure_int8_peak(seconds: float = 0.2) -> float:
+def measure_int8_peak(seconds: float = 0.2, amx: bool | None = None) -> float:
     """8-bit multiply-adds per second on this CPU with the instructions of minillm's int4/int8 kernel
     (`kernels/int8_peak.c`: independent accumulators, nothing read from memory), on torch's threads; the best of 5
     calls of about `seconds` each. The arithmetic roof of a batched quantized step, as `measure_bandwidth` is its
-    bytes roof. Raises where the C file cannot be built or this CPU has neither AVX512-VNNI nor AVX2."""
+    bytes roof. `amx`: the AMX tile product's rate rather than the vector instructions' (None: whichever the kernel
+    uses for 16 rows or more, `int4_cpu_amx`). Raises where the C file cannot be built or this CPU has neither
+    AVX512-VNNI nor AVX2 (nor, asked for, AMX)."""
+    from .kernels.int4_cpu import int4_cpu_amx
+
     lib = int8_peak_library()
     if lib is None:
         raise RuntimeError("kernels/int8_peak.c could not be built here (is a C compiler installed?)")
+    loop = lib.int8_macs_amx if (int4_cpu_amx() if amx is None else amx) else lib.int8_macs
     sink, iters = ctypes.c_int32(0), 1 << 12
     while True:  # grow the loop until one call takes about `seconds`
         start = time.perf_counter()
-        if lib.int8_macs(iters, ctypes.byref(sink)) == 0:
-            raise RuntimeError("this CPU has neither AVX512-VNNI nor AVX2: the kernel multiplies in plain C")
+        if loop(iters, ctypes.byref(sink)) == 0:
+            raise RuntimeError("this CPU has neither AVX512-VNNI nor AVX2: the kernel multiplies in plain C"
+                               if loop is lib.int8_macs else "no AMX here (the CPU, the build or Linux)")
         if time.perf_counter() - start > seconds / 2:
             break
         iters *= 2
     best = 0.0
     for _ in range(5):
         start = time.perf_counter()
-        macs = lib.int8_macs(iters, ctypes.byref(sink))
+        macs = loop(iters, ctypes.byref(sink))
         best = max(best, macs / (time.perf_counter() - start))
     return best
 

@@ -182,7 +182,15 @@ def test_int8_peak_counts_real_multiply_adds():
     else:
         assert macs == threads * iters * 6 * 32
         assert sink.value == threads * 8 * 15 + 8 * 4 * 21 * iters * tsum
-    assert rl.measure_int8_peak(seconds=0.02) > 1e9
+    assert rl.measure_int8_peak(seconds=0.02, amx=False) > 1e9
+    sink.value = 0
+    if lib.int8_macs_amx(iters, ctypes.byref(sink)) == 0:
+        return  # no AMX here: the kernel never uses it either
+    # AMX: 4 tiles of 16 x 16 sums start at 0 and add, each round, 32 products of 3s and (t + 1)s
+    sink.value = 0
+    assert lib.int8_macs_amx(iters, ctypes.byref(sink)) == threads * iters * 4 * 16 * 16 * 32
+    assert sink.value == 4 * 256 * 32 * 3 * iters * tsum
+    assert rl.measure_int8_peak(seconds=0.02, amx=True) > rl.measure_int8_peak(seconds=0.02, amx=False)
 
 
 def test_batched_steps_start_pair_and_free(tiny, tiny_llama):

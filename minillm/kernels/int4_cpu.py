@@ -5,7 +5,8 @@ PyTorch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` take bfloat16 
 their weights far below the memory's speed. llama.cpp's way is faster: quantize each row of x to int8 per block
 of 32 and multiply the weight's codes with it in integers (AVX512-VNNI's `vpdpbusd`, AVX2's `vpmaddubsw`),
 scaling once per block. This module lays weights of `minillm.quant_formats.quantize_int4` and `quantize_int8`
-out for that kernel, built like `minillm.kernels.cpu`'s.
+out for that kernel, built like `minillm.kernels.cpu`'s. Batches of 16 rows and more take AMX tiles where the CPU
+has them (`int4_cpu_amx`).
 """
 
 from __future__ import annotations

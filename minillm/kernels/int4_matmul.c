@@ -14,7 +14,7 @@
  * The products are not weight-only: each row of x is quantized to int8 per block of 32 (symmetric, one float scale
  * a block, as llama.cpp's Q8 blocks), so the inner products run on integers: AVX512-VNNI's vpdpbusd (unsigned
  * bytes times signed bytes, four products summed into each 32-bit lane), AVX2's vpmaddubsw, or plain C, as the
- * compiler finds.
+ * compiler finds; and where the CPU has AMX, each whole group of 16 rows of x through its tile product (below).
  * int4: the zero points need only the float sum of x over each group: sum w x = s sum q x + z sum x.
  * int8: vpdpbusd wants one operand unsigned, so the kernel flips each code's sign bit (q + 128 in 0..255) and
  * starts the block's integer sum at -128 * (sum of x's codes in the block): exact, and nothing more to read. Its

@@ -1,6 +1,6 @@
 /* Chapter 6 — the CPU's rate of 8-bit multiply-adds with the instructions of minillm's int4/int8 kernel
  * (int4_matmul.c): AVX512-VNNI's vpdpbusd (64 a 512-bit instruction), or AVX2's vpmaddubsw + vpmaddwd (32 a
- * pair). Each OpenMP thread runs `iters` rounds of independent accumulators (enough to hide the instructions'
+ * pair); and, where the kernel uses AMX, its tile product tdpbssd in the kernel's shapes (int8_macs_amx). Each OpenMP thread runs `iters` rounds of independent accumulators (enough to hide the instructions'
  * latency) with nothing loaded from memory: the arithmetic's ceiling, against which a batched product's time is
  * read (minillm.roofline.measure_int8_peak). Compiled like the kernels, for this CPU. Returns the multiply-adds
  * done by all threads together (0 where the CPU has neither instruction set); `sink` gets the sum of every
@@ -9,6 +9,10 @@
 #include <stdint.h>
 #if defined(__AVX512VNNI__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #define CHAINS 12
@@ -51,4 +55,53 @@ double int8_macs(int64_t iters, int32_t *sink) {
         *sink += s;
     }
     return total;
+}
+
+/* The same with AMX: each thread runs `iters` rounds of tdpbssd into 4 independent 16 x 16 tiles of sums, each
+ * product 16 rows of 32 codes by 32 codes of 16 columns (8192 multiply-adds), the kernel's shapes: 3s times
+ * (thread + 1)s. 0 where this build or Linux gives no AMX. */
+double int8_macs_amx(int64_t iters, int32_t *sink) {
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__)
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) return 0;
+    double total = 0;
+#pragma omp parallel reduction(+ : total)
+    {
+        struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; }
+            __attribute__((packed)) cfg = {0};
+        cfg.palette = 1;
+        for (int t = 0; t < 4; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+        cfg.rows[4] = 16, cfg.colsb[4] = 32, cfg.rows[6] = 8, cfg.colsb[6] = 64;
+        _tile_loadconfig(&cfg);
+        int8_t a[16][32], b[8][64];
+        int32_t c[16][16];
+        for (int i = 0; i < 16 * 32; i++) a[i / 32][i % 32] = 3;
+        for (int i = 0; i < 8 * 64; i++) b[i / 64][i % 64] = (int8_t)(omp_get_thread_num() + 1);
+        _tile_loadd(4, a, 32);
+        _tile_loadd(6, b, 64);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t i = 0; i < iters; i++) {
+            _tile_dpbssd(0, 4, 6);
+            _tile_dpbssd(1, 4, 6);
+            _tile_dpbssd(2, 4, 6);
+            _tile_dpbssd(3, 4, 6);
+        }
+        int32_t s = 0;
+#define ADD_TILE(t)                                               \
+    _tile_stored(t, c, 64);                                       \
+    for (int i = 0; i < 256; i++) s += c[i / 16][i % 16];
+        ADD_TILE(0) ADD_TILE(1) ADD_TILE(2) ADD_TILE(3)
+#undef ADD_TILE
+        _tile_release();
+        total += (double)iters * 4 * 16 * 16 * 32;
+#pragma omp atomic
+        *sink += s;
+    }
+    return total;
+#else
+    (void)iters, (void)sink;
+    return 0;
+#endif
 }

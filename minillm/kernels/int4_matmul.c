@@ -95,6 +95,19 @@ static inline int32_t load4(const int8_t *p) {
 #if defined(__AVX512VNNI__)
 const char *quant_matmul_isa(void) { return "avx512vnni"; }
 
+/* Rows m0 .. m0 + rows of a tile's output: each row's sums plus its residual (where given), ncols columns. */
+static inline __attribute__((always_inline)) void store_rows(const __m512 *acc, int rows, int64_t m0,
+                                                             const float *residual, float *out, int64_t n, int64_t n0,
+                                                             int64_t ncols) {
+    const __mmask16 mask = (__mmask16)((1u << ncols) - 1);
+    for (int r = 0; r < rows; r++) {
+        const int64_t at = (m0 + r) * n + n0;
+        __m512 y = acc[r];
+        if (residual) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, residual + at));
+        _mm512_mask_storeu_ps(out + at, mask, y);
+    }
+}
+
 /* out[m0 .. m0 + mr, n0 .. n0 + ncols] for one tile; mr is a constant where inlined, so acc stays in registers. */
 static inline __attribute__((always_inline)) void tile4(const uint8_t *wq, const uint16_t *ws, const uint16_t *wz,
                                                         const Acts *a, int64_t m0, const int mr, int64_t g,
@@ -135,13 +148,7 @@ static inline __attribute__((always_inline)) void tile4(const uint8_t *wq, const
             acc[r] = _mm512_fmadd_ps(zw, _mm512_set1_ps(a->sum[(m0 + r) * a->groups + gi]), acc[r]);
         }
     }
-    const __mmask16 mask = (__mmask16)((1u << ncols) - 1);
-    for (int r = 0; r < mr; r++) {
-        const int64_t at = (m0 + r) * n + n0;
-        __m512 y = acc[r];
-        if (residual) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, residual + at));
-        _mm512_mask_storeu_ps(out + at, mask, y);
-    }
+    store_rows(acc, mr, m0, residual, out, n, n0, ncols);
 }
 
 /* The int8 tile: codes with their sign bit flipped (q + 128, unsigned) against x's signed codes; each block's
@@ -282,13 +289,7 @@ static void tile4_amx(const uint8_t *wq, const uint16_t *ws, const uint16_t *wz,
             }
         }
     }
-    const __mmask16 mask = (__mmask16)((1u << ncols) - 1);
-    for (int r = 0; r < AMX_ROWS; r++) {
-        const int64_t at = (m0 + r) * n + n0;
-        __m512 y = acc[r];
-        if (residual) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, residual + at));
-        _mm512_mask_storeu_ps(out + at, mask, y);
-    }
+    store_rows(acc, AMX_ROWS, m0, residual, out, n, n0, ncols);
 }
 
 /* The int8 tile: its codes are signed already, in the tile's layout, so tdpbssd reads them where they lie. */

@@ -192,41 +192,24 @@ static inline __attribute__((always_inline)) void tile8(const int8_t *wq, const 
  * the loop above forms row by row. The block's float arithmetic after it is the loop's, in its order, so the two
  * paths agree to the bit; only the integer dot products moved. Used for each whole group of 16 rows of x (batched
  * decode, prefill); the rows left over take the loop above. Linux lends a process the tile registers on request. */
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-#define AMX_ROWS 16 /* rows of x per tile product */
+#include "amx_tiles.h"
+_Static_assert(AMX_K == BLOCK, "a tile product's row of x is one int8 block");
 
 static int amx_on = 0; /* whether the products use AMX: on from load where Linux grants it */
 
-/* Ask for the tile registers once (the answer holds for the process); use them if granted and `want` is 1, not if
- * it is 0 (a negative `want` changes nothing). Returns whether the products use them now. */
+/* Ask for the tile registers once; use them if granted and `want` is 1, not if it is 0 (a negative `want` changes
+ * nothing). Returns whether the products use them now. */
 int quant_matmul_use_amx(int want) {
     static int granted = -1;
-    if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    if (granted < 0) granted = amx_request();
     if (want >= 0) amx_on = want && granted;
     return amx_on;
 }
 
 __attribute__((constructor)) static void amx_default(void) { quant_matmul_use_amx(1); }
 
-/* Palette 1: tiles 0-3 the 16 x 16 int32 sums of up to AMX_BLOCKS blocks, tiles 4-5 16 rows of 32 x codes, tiles
- * 6-7 a block's weights as 8 rows of (16 weight rows x 4 consecutive codes), the layout vpdpbusd takes, which is
- * also tdpbssd's. Two of each operand, so that one block's loads overlap the other's product. */
-static void amx_configure(void) {
-    struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } __attribute__((packed))
-        cfg = {0};
-    cfg.palette = 1;
-    for (int t = 0; t < 4; t++) cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = 64;
-    for (int t = 4; t < 6; t++) cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = BLOCK;
-    for (int t = 6; t < 8; t++) cfg.rows[t] = BLOCK / 4, cfg.colsb[t] = 64;
-    _tile_loadconfig(&cfg);
-}
-
-#define AMX_BLOCKS 4 /* blocks multiplied before their sums are read back: a tile store's data reaches the vector
-                      * loads after it late, so the wait is paid once for four blocks */
+#define AMX_BLOCKS 4 /* blocks multiplied, each into its own tile of sums, before their sums are read back: one
+                      * block at a time ran slower when this was written (timed against the vector loop) */
 
 /* The integer sums of `nb` (1 to 4) consecutive blocks for 16 rows of x whose codes start at xq (row stride k), the
  * block's weights every 512 bytes from w: dots[j][r][i] = sum over block j of x[r] q[i]. */

@@ -1,7 +1,7 @@
 /* Chapter 6 — the CPU's rate of 8-bit multiply-adds with the instructions of minillm's int4/int8 kernel
  * (int4_matmul.c): AVX512-VNNI's vpdpbusd (64 a 512-bit instruction), or AVX2's vpmaddubsw + vpmaddwd (32 a
- * pair); and, where the kernel uses AMX, its tile product tdpbssd in the kernel's shapes (int8_macs_amx). Each OpenMP thread runs `iters` rounds of independent accumulators (enough to hide the instructions'
- * latency) with nothing loaded from memory: the arithmetic's ceiling, against which a batched product's time is
+ * pair); and, where the kernel uses AMX, its tile product tdpbssd in the kernel's shapes (int8_macs_amx). Each
+ * OpenMP thread runs `iters` rounds of independent accumulators (enough to hide the instructions' latency) with nothing loaded from memory: the arithmetic's ceiling, against which a batched product's time is
  * read (minillm.roofline.measure_int8_peak). Compiled like the kernels, for this CPU. Returns the multiply-adds
  * done by all threads together (0 where the CPU has neither instruction set); `sink` gets the sum of every
  * accumulator, so the work cannot be optimized away (and a test can check it). */
@@ -11,8 +11,7 @@
 #include <immintrin.h>
 #endif
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #endif
 
 #define CHAINS 12
@@ -62,21 +61,16 @@ double int8_macs(int64_t iters, int32_t *sink) {
  * (thread + 1)s. 0 where this build or Linux gives no AMX. */
 double int8_macs_amx(int64_t iters, int32_t *sink) {
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__)
-    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) return 0;
+    if (!amx_request()) return 0;
     double total = 0;
 #pragma omp parallel reduction(+ : total)
     {
-        struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; }
-            __attribute__((packed)) cfg = {0};
-        cfg.palette = 1;
-        for (int t = 0; t < 4; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-        cfg.rows[4] = 16, cfg.colsb[4] = 32, cfg.rows[6] = 8, cfg.colsb[6] = 64;
-        _tile_loadconfig(&cfg);
-        int8_t a[16][32], b[8][64];
+        amx_configure(); /* the kernel's tiles: 0-3 sums, 4 x's codes, 6 a block's weights */
+        int8_t a[AMX_ROWS][AMX_K], b[AMX_K / 4][64];
         int32_t c[16][16];
-        for (int i = 0; i < 16 * 32; i++) a[i / 32][i % 32] = 3;
-        for (int i = 0; i < 8 * 64; i++) b[i / 64][i % 64] = (int8_t)(omp_get_thread_num() + 1);
-        _tile_loadd(4, a, 32);
+        for (int i = 0; i < AMX_ROWS * AMX_K; i++) a[i / AMX_K][i % AMX_K] = 3;
+        for (int i = 0; i < AMX_K / 4 * 64; i++) b[i / 64][i % 64] = (int8_t)(omp_get_thread_num() + 1);
+        _tile_loadd(4, a, AMX_K);
         _tile_loadd(6, b, 64);
         _tile_zero(0);
         _tile_zero(1);
@@ -95,7 +89,7 @@ double int8_macs_amx(int64_t iters, int32_t *sink) {
         ADD_TILE(0) ADD_TILE(1) ADD_TILE(2) ADD_TILE(3)
 #undef ADD_TILE
         _tile_release();
-        total += (double)iters * 4 * 16 * 16 * 32;
+        total += (double)iters * 4 * AMX_ROWS * 16 * AMX_K;
 #pragma omp atomic
         *sink += s;
     }

@@ -133,7 +133,8 @@ def test_installed_wheel_builds_its_kernels_and_reads_only_itself():
         wheel = build_wheel(tmp)
         names = zipfile.ZipFile(wheel).namelist()
         for data in ("minillm/kernels/paged_decode.c", "minillm/kernels/int4_matmul.c", "minillm/kernels/decode_step.c",
-                     "minillm/kernels/small_ops.c", "minillm/data/eval_text.md"):
+                     "minillm/kernels/small_ops.c", "minillm/kernels/int8_peak.c", "minillm/kernels/amx_tiles.h",
+                     "minillm/data/eval_text.md"):
             assert data in names, f"{data} is not in the wheel"
         python = fresh_venv(tmp / "venv", wheel)
         build_tokenizer(tmp / "tokenizer")

@@ -22,7 +22,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 from benchmarks.llamacpp_build import LLAMA_CPP, build, started, tail
 from benchmarks.record import save_json
 from minillm.bench import load_tokenizer, make_workload
+from minillm.ports import free_port
 from minillm.weights import DEFAULT_MODEL, default_gguf_path
 
 SLOT_CONTEXT = 512  # tokens per llama-server slot: the longest chat request is 128 prompt + 256 answer tokens
@@ -49,13 +49,6 @@ LLAMA = "llama-server"
 
 
 # --- the servers ----------------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def llama_command(binary: Path, port: int, slots: int, threads: int) -> list[str]:
     """llama-server on the default GGUF under minillm's model name, `slots` sequences decoded together

@@ -43,9 +43,10 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.llamacpp_build import IK_LLAMA_CPP, LLAMA_CPP, build, started, tail
-from benchmarks.llamacpp_server import free_port, llama_url, wait_ready
+from benchmarks.llamacpp_server import llama_url, wait_ready
 from benchmarks.random_gguf import SHAPES, Shape, gguf_to_hf, write_gguf
 from benchmarks.record import save_json
+from minillm.ports import free_port
 
 PROMPT_LENGTHS = (128, 512)
 DECODE_TOKENS = 128

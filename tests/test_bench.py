@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ from openai.types.chat import ChatCompletionChunk
 from minillm.bench import (WORKLOADS, Chunk, corpus_ids, expand_token_times, for_endpoint, format_result, load_jsonl,
                            main, make_workload, parse_goodput, run_hf, run_http, run_minillm)
 from minillm.metrics import RequestMetrics, check_slo, summarize
+from minillm.ports import free_port
 from tiny_models import build_tokenizer
 
 
@@ -153,12 +153,6 @@ def test_format_result():
     for name, value in expected.items():
         assert f"{name:<40} {value}" in lines, name
     assert "goodput" not in format_result(summary, failed=0, percentiles=(50, 99))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_cli_bad_dataset(tmp_path, capsys):

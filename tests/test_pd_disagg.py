@@ -19,7 +19,7 @@ from minillm.disagg.connector import CONSUMER, PRODUCER, KVConnector
 from minillm.disagg.kv_transfer import pd_comm
 from minillm.kv_handoff import KVLayout
 from minillm.disagg.pair import PDPair, decode_params, prefill_params
-from minillm.parallel.comm import free_port
+from minillm.ports import free_port
 from minillm.sequence import SequenceStatus
 from serving_utils import wait_for
 

@@ -33,7 +33,7 @@ from ..engine import check_allowed_token_ids, check_prompt, check_stop_token_ids
 from ..engine_args import EngineArgs
 from ..output_processor import OutputProcessor
 from ..outputs import RequestOutput
-from ..parallel.comm import free_port
+from ..ports import free_port
 from ..parallel.executor import stop_processes
 from ..sampling import RequestOutputKind, SamplingParams
 from ..sequence import claim_request_id

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..ports import free_port
+
 
 @dataclass
 class OpStats:
@@ -145,13 +147,6 @@ def _encode(obj) -> torch.Tensor:
 
 def _decode(data: torch.Tensor):
     return pickle.loads(data.numpy().tobytes())
-
-
-def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now (for a process group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def loopback_store(rank: int, world_size: int, port: int) -> dist.TCPStore:

@@ -12,8 +12,8 @@ import torch
 import torch.multiprocessing as mp
 
 from ..config import ModelConfig
+from ..ports import free_port
 from ..threads import engine_threads
-from .comm import free_port
 from .config import ParallelConfig
 from .pipeline import StepPlan, TraceEvent, execute_plan
 from .state import init_parallel

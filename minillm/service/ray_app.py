@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -28,6 +27,7 @@ from ray import serve
 from ..config import ModelConfig
 from ..engine import context_length, default_device_dtype
 from ..engine_args import EngineArgs
+from ..ports import free_port
 from ..threads import available_cores
 from ..weights import DEFAULT_MODEL, resolve_model
 from ..serving.api_server import build_app
@@ -195,13 +195,6 @@ def deploy(app: serve.Application, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the service did not start within {timeout_s:g} s ({state}): {reasons}")
         time.sleep(0.5)
-
-
-def free_port(host: str) -> int:
-    """A port nothing listens on now, for Serve's proxy (which cannot be handed a socket)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class RayService:

@@ -10,7 +10,6 @@ Triton batches only tensors of one shape, so a client pads each prompt to the mo
 from __future__ import annotations
 
 import os
-import socket
 import sysconfig
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..llm import LLM
+from ..ports import free_port
 from ..sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -97,12 +97,6 @@ def make_infer_func(llm: LLM, batch_sizes: Counter[int],
     return infer
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _use_this_libpython() -> None:
     """Make Triton's Python backend stub load this interpreter's libpython, not the system's: a stub built for
     3.11 links `libpython3.11.so` by name, and a system 3.11.2 library under a 3.11.7 standard library fails
@@ -130,9 +124,9 @@ def serve_triton(llm: LLM, batching: TritonBatching = TritonBatching(), ignore_e
     from pytriton.triton import Triton, TritonConfig
 
     _use_this_libpython()
-    http_port = _free_port()
+    http_port = free_port()
     config = TritonConfig(http_address="127.0.0.1", http_port=http_port, grpc_address="127.0.0.1",
-                          grpc_port=_free_port(), allow_metrics=False, exit_timeout_secs=5, log_file=log_file)
+                          grpc_port=free_port(), allow_metrics=False, exit_timeout_secs=5, log_file=log_file)
     batcher = DynamicBatcher(max_queue_delay_microseconds=int(batching.max_queue_delay_ms * 1000),
                              preferred_batch_size=list(batching.preferred_batch_sizes))
     batch_sizes: Counter[int] = Counter()

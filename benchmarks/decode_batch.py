@@ -7,7 +7,9 @@ the per-step ratios. The bare products leave attention out, so attention is time
 of the same cache and block tables: the engine's C kernel (reads keys and values in place), the same kernel
 over an int8 copy of the pool (`kv_cache_dtype="int8"`: a quarter of the bytes, plus a scale per vector),
 PyTorch's gather-then-SDPA (`MINILLM_ATTENTION=torch`), and SDPA over contiguous copies of the same keys and
-values, the floor an unpaged cache would give.
+values, the floor an unpaged cache would give. On a CPU a second table says where each step's time goes, timed in
+place while the engine steps: the products, the head, the norms, attention, SiLU times up, the rest of the forward
+pass (Python between the operations, the embedding) and the engine around it (scheduling, sampling, bookkeeping).
 
     .venv/bin/python -m benchmarks.decode_batch [--contexts 64 512] [--batches 1 4 16 32 64] [--steps 12]
 """
@@ -18,7 +20,10 @@ import argparse
 import statistics
 import sys
 import time
+from collections import defaultdict
+from contextlib import ExitStack
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +32,8 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.record import add_threads_option, use_threads
+import minillm.layers
+import minillm.model
 from minillm import LLM
 from minillm.attention import _Part, cpu_decode_attention, decode_attention, quantize_kv
 from minillm.roofline import matvec_step, paired_steps, start_decoding
@@ -81,6 +88,42 @@ def attention_times(engine, rounds: int = 5) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def step_parts(engine, steps: int) -> dict[str, float]:
+    """Median seconds per decode step of `engine`'s running batch in each of its parts (see the module's docstring),
+    each call of a part wrapped in a timer while `steps` steps run (which adds about a microsecond a call). Read on a
+    CPU: on a GPU the timers would see kernel launches, not their work."""
+    model, totals = engine.model, defaultdict(float)
+
+    def timed(name: str, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter() - start
+        return wrapper
+
+    parts = {"products": (minillm.layers.Linear, "product"), "head": (type(model), "logits"),
+             "norms": (minillm.layers.RMSNorm, "forward"), "attention": (minillm.model, "cpu_decode_layer"),
+             "SiLU*up": (minillm.model, "silu_and_mul"), "forward": (engine.runner, "execute")}
+    per_step: dict[str, list[float]] = defaultdict(list)
+    with ExitStack() as stack:
+        for name, (owner, attr) in parts.items():
+            stack.enter_context(mock.patch.object(owner, attr, timed(name, getattr(owner, attr))))
+        for _ in range(steps):
+            totals.clear()
+            start = time.perf_counter()
+            engine.step()
+            step = time.perf_counter() - start
+            inside = sum(totals[name] for name in parts if name != "forward")
+            for name in parts:
+                per_step[name].append(totals[name])
+            per_step["rest of forward"].append(totals["forward"] - inside)
+            per_step["engine"].append(step - totals["forward"])
+            per_step["step"].append(step)
+    return {name: statistics.median(times) for name, times in per_step.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_batch", description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[64, 512])
@@ -99,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.steps} paired steps per row; ms per step, attention summed over {engine.config.num_layers} layers")
     print(f"{'context':>7} {'batch':>5} {'engine':>8} {'bare':>8} {'bare/engine':>17}   "
           f"{'attn: C kernel':>14} {'C int8 K/V':>10} {'torch gather':>12} {'contiguous':>10}")
-    misses = []
+    misses, breakdown = [], []
     for context in args.contexts:
         for batch in args.batches:
             ids = start_decoding(engine, batch, context, gen)
@@ -107,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             paired_steps(engine, bare, 2)  # warm-up at this shape
             attention = attention_times(engine)
             engine_times, bare_times = paired_steps(engine, bare, args.steps)
+            if engine.device.type == "cpu":
+                breakdown.append((context, batch, step_parts(engine, args.steps)))
             for rid in ids:
                 engine.abort(rid)
             ratios = [b / e for e, b in zip(engine_times, bare_times)]
@@ -119,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{1e3 * attention['contiguous SDPA']:10.1f}", flush=True)
             if context == min(args.contexts) and batch <= TARGET_BATCH and ratio < TARGET:
                 misses.append(batch)
+    if breakdown:
+        names = ["step", "products", "head", "norms", "attention", "SiLU*up", "rest of forward", "engine"]
+        print("\nwhere a step's time goes, timed in place (ms per step, medians):")
+        print(f"{'context':>7} {'batch':>5} " + " ".join(f"{name:>15}" for name in names))
+        for context, batch, parts in breakdown:
+            print(f"{context:7d} {batch:5d} " + " ".join(f"{1e3 * parts[name]:15.2f}" for name in names))
     print(f"target bare/engine >= {TARGET} at every batch up to {TARGET_BATCH} at context {min(args.contexts)}: "
           f"{'met' if not misses else f'missed at batch {misses}'}")
     return 0

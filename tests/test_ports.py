@@ -30,5 +30,4 @@ def test_a_held_port_is_not_drawn_and_the_kernel_picks_when_there_is_no_room(mon
         port = ports.free_port()
         assert port != taken
     monkeypatch.setattr(ports, "ephemeral_start", lambda: 1024)  # a range that leaves no room below it
-    assert ports.free_port() >= 1024
-    assert start > 1024
+    assert ports.free_port() >= start  # the kernel's pick, from its own range

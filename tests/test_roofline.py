@@ -211,3 +211,25 @@ def test_batched_steps_start_pair_and_free(tiny, tiny_llama):
     small = LLM(tiny_llama, device="cpu", dtype=torch.float32, max_num_seqs=4, enable_prefix_caching=False)
     with pytest.raises(RuntimeError, match="of 6 requests decode at once"):
         rl.start_decoding(small.engine, 6, 20, torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_step_parts_count_each_call_in_one_part(tmp_path, tie):
+    """decode_batch's breakdown: with a clock that ticks once per reading, each timed call lasts one tick, so a
+    part's total counts its calls; an untied head's product counts under the head only, not under products too."""
+    from types import SimpleNamespace
+
+    from benchmarks import decode_batch
+    from tiny_models import build_tiny_model
+
+    llm = LLM(build_tiny_model(tmp_path / "m", tie=tie), device="cpu", dtype=torch.float32,
+              enable_prefix_caching=False)
+    engine, layers = llm.engine, llm.engine.config.num_layers
+    ids = rl.start_decoding(engine, 2, 20, torch.Generator().manual_seed(0))
+    ticks = iter(range(10**6))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decode_batch, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+        parts = decode_batch.step_parts(engine, 3)
+    assert (parts["products"], parts["head"], parts["norms"]) == (4 * layers, 1, 2 * layers + 1)
+    for rid in ids:
+        engine.abort(rid)

@@ -38,8 +38,7 @@ import minillm.layers
 import minillm.model
 from minillm import LLM
 from minillm.attention import _Part, cpu_decode_attention, decode_attention, quantize_kv
-from minillm.roofline import (measure_bandwidth, matvec_step, paired_steps, running_step_bytes, start_decoding,
-                              step_weight_bytes)
+from minillm.roofline import matvec_step, measure_bandwidth, paired_steps, running_kv_bytes, start_decoding
 
 TARGET = 0.85  # bare/engine at every batch up to TARGET_BATCH at the shortest context
 TARGET_BATCH = 32
@@ -158,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             bare = matvec_step(engine.model, batch)
             paired_steps(engine, bare, 2)  # warm-up at this shape
             attention = attention_times(engine)
-            kv_bytes = running_step_bytes(engine) - step_weight_bytes(engine.model)  # at the first paired step
+            kv_bytes = running_kv_bytes(engine)  # at the first paired step
             engine_times, bare_times = paired_steps(engine, bare, args.steps)
             if engine.device.type == "cpu":
                 breakdown.append((context, batch, step_parts(engine, args.steps)))
@@ -166,10 +165,10 @@ def main(argv: list[str] | None = None) -> int:
                 engine.abort(rid)
             ratios = [b / e for e, b in zip(engine_times, bare_times)]
             q = statistics.quantiles(ratios, n=4)
-            ratio = statistics.median(ratios)
-            cap = statistics.median(bare_times) / (statistics.median(bare_times) + kv_bytes / bandwidth)
+            ratio, bare_s = statistics.median(ratios), statistics.median(bare_times)
+            cap = bare_s / (bare_s + kv_bytes / bandwidth)
             print(f"{context:7d} {batch:5d} {1e3 * statistics.median(engine_times):8.1f} "
-                  f"{1e3 * statistics.median(bare_times):8.1f} {ratio:5.2f} ({q[0]:.2f}-{q[2]:.2f}) {cap:9.3f}   "
+                  f"{1e3 * bare_s:8.1f} {ratio:5.2f} ({q[0]:.2f}-{q[2]:.2f}) {cap:9.3f}   "
                   f"{1e3 * attention['C kernel']:14.1f} {1e3 * attention['C kernel, int8 K/V']:10.1f} "
                   f"{1e3 * attention['torch gather+SDPA']:12.1f} "
                   f"{1e3 * attention['contiguous SDPA']:10.1f}", flush=True)

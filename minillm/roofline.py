@@ -329,12 +329,18 @@ def engine_and_bare(engine, prompt_ids: list[int], tokens: int, bare: Callable[[
     return paired_steps(engine, bare, tokens)  # the request's last `tokens` steps
 
 
-def running_step_bytes(engine) -> float:
-    """Bytes a decode step of `engine`'s running batch reads at the least: its weights once (`step_weight_bytes`)
-    and every running sequence's cached keys and values, at the pool's bytes per token (scales included)."""
+def running_kv_bytes(engine) -> float:
+    """Bytes of cache a decode step of `engine`'s running batch reads at the least: every running sequence's cached
+    keys and values, at the pool's bytes per token (scales included)."""
     kv = engine.kv_cache
     per_token = kv.nbytes / (kv.num_blocks * kv.block_size)
-    return step_weight_bytes(engine.model) + per_token * sum(s.num_tokens for s in engine.scheduler.running)
+    return per_token * sum(s.num_tokens for s in engine.scheduler.running)
+
+
+def running_step_bytes(engine) -> float:
+    """Bytes a decode step of `engine`'s running batch reads at the least: its weights once (`step_weight_bytes`)
+    and its cached keys and values (`running_kv_bytes`)."""
+    return step_weight_bytes(engine.model) + running_kv_bytes(engine)
 
 
 def start_decoding(engine, batch: int, context: int, gen: torch.Generator) -> list[str]:

@@ -202,6 +202,7 @@ def test_batched_steps_start_pair_and_free(tiny, tiny_llama):
 
     per_token = kv_block_bytes(engine.config, engine.args.block_size, engine.dtype) / engine.args.block_size
     tokens = sum(s.num_tokens for s in engine.scheduler.running)
+    assert rl.running_kv_bytes(engine) == per_token * tokens
     assert rl.running_step_bytes(engine) == rl.step_weight_bytes(engine.model) + per_token * tokens
     steps, products = rl.paired_steps(engine, rl.matvec_step(engine.model, 3), 2)
     assert len(steps) == len(products) == 2 and min(steps + products) > 0

@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,14 +28,12 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from torch.utils import cpp_extension
 
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.record import add_threads_option, save_json, use_threads
 from minillm import LLM, SamplingParams
-from minillm.cache_dir import cache_dir
 from minillm.kernels import cpu, int4_cpu
 from minillm.kernels.cpu import paged_decode_unchecked
 from minillm.kernels.int4_cpu import Int4Weight, Int8Weight, matmul_unchecked
@@ -82,21 +77,10 @@ def _(q, k_cache, v_cache, tables, lens, scale):
 def cpp_ops() -> SimpleNamespace | None:
     """The C++ operators of `compile_step_ops.cpp`, built (once, cached) and pointed at minillm's kernels; None
     when no C++ compiler builds them here."""
-    flags = ["-O2", "-shared", "-fPIC", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-             *(f"-I{p}" for p in cpp_extension.include_paths()), *(f"-L{p}" for p in cpp_extension.library_paths()),
-             *(f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
-    key = hashlib.sha256(CPP_SOURCE.read_bytes() + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:16]
-    library = cache_dir() / "kernels" / f"compile_step_ops_{key}.so"
-    if not library.exists():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        partial = library.with_suffix(".partial")
-        try:
-            subprocess.run([os.environ.get("CXX", "c++"), str(CPP_SOURCE), "-o", str(partial), *flags], check=True,
-                           capture_output=True, text=True)
-        except (OSError, subprocess.CalledProcessError) as error:
-            print(f"the C++ operators did not build ({getattr(error, 'stderr', error)!s:.500}); skipping them")
-            return None
-        partial.replace(library)
+    library = cpu.build_torch_library(CPP_SOURCE)
+    if library is None:
+        print("the C++ operators did not build here; skipping them")
+        return None
     torch.ops.load_library(str(library))
     address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
     torch.ops.minillm_cpp.set_kernels(address(int4_cpu._require().quant_matmul_f32),

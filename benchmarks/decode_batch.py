@@ -3,15 +3,19 @@
 For each context length and batch size, that many requests with distinct random prompts of that length are
 prefilled; then every engine decode step is followed at once by one bare step (`matvec_step(model, batch)`:
 the model's own weight products for `[batch, in]` inputs and nothing else), and bare/engine is the median of
-the per-step ratios. The bare products leave attention out, so even an engine that did nothing else would stay below
+the per-step ratios. Steps alternate between the engine as it runs (a float32 model's layers in one C++ call on a
+CPU, `kernels/decode_layers.py`) and the same model stepped layer by layer through `model.py`'s modules
+(`model.use_fused_step = False`), each paired with its own bare step. The bare products leave attention out, so even
+an engine that did nothing else would stay below
 the "bytes cap": bare / (bare + the step's cached keys and values read at the machine's measured read bandwidth).
 Attention is timed on its own, over all layers
 of the same cache and block tables: the engine's C kernel (reads keys and values in place), the same kernel
 over an int8 copy of the pool (`kv_cache_dtype="int8"`: a quarter of the bytes, plus a scale per vector),
 PyTorch's gather-then-SDPA (`MINILLM_ATTENTION=torch`), and SDPA over contiguous copies of the same keys and
-values, the floor an unpaged cache would give. On a CPU a second table says where each step's time goes, timed in
-place while the engine steps: the products, the head, the norms, attention, SiLU times up, the rest of the forward
-pass (Python between the operations, the embedding) and the engine around it (scheduling, sampling, bookkeeping).
+values, the floor an unpaged cache would give. On a CPU a second table says where a step's time goes when it runs
+layer by layer, timed in place while the engine steps: the products, the head, the norms, attention, SiLU times up,
+the rest of the forward pass (Python between the operations, the embedding) and the engine around it (scheduling,
+sampling, bookkeeping); the one-call step leaves only its products, attention and the small operations' arithmetic.
 
     .venv/bin/python -m benchmarks.decode_batch [--contexts 64 512] [--batches 1 4 16 32 64] [--steps 12]
 """
@@ -91,9 +95,9 @@ def attention_times(engine, rounds: int = 5) -> dict[str, float]:
 
 
 def step_parts(engine, steps: int) -> dict[str, float]:
-    """Median seconds per decode step of `engine`'s running batch in each of its parts (see the module's docstring),
-    each call of a part wrapped in a timer while `steps` steps run (which adds about a microsecond a call). Read on a
-    CPU: on a GPU the timers would see kernel launches, not their work."""
+    """Median seconds per decode step of `engine`'s running batch, stepped layer by layer, in each of its parts (see
+    the module's docstring), each call of a part wrapped in a timer while `steps` steps run (which adds about a
+    microsecond a call). Read on a CPU: on a GPU the timers would see kernel launches, not their work."""
     model, totals, running = engine.model, defaultdict(float), set()  # running: the parts being timed now
 
     def timed(name: str, fn):
@@ -116,6 +120,7 @@ def step_parts(engine, steps: int) -> dict[str, float]:
     with ExitStack() as stack:
         for name, (owner, attr) in parts.items():
             stack.enter_context(mock.patch.object(owner, attr, timed(name, getattr(owner, attr))))
+        stack.enter_context(mock.patch.object(model, "use_fused_step", False))
         for _ in range(steps):
             totals.clear()
             start = time.perf_counter()
@@ -130,6 +135,23 @@ def step_parts(engine, steps: int) -> dict[str, float]:
     return {name: statistics.median(times) for name, times in per_step.items()}
 
 
+def alternated_steps(engine, bare, steps: int) -> dict[bool, tuple[list[float], list[float]]]:
+    """Seconds of `steps` decode steps of `engine` each way, keyed by `use_fused_step` (True: as the engine runs,
+    False: layer by layer), alternating step by step so that a slow spell of the machine weighs on both; each step
+    followed at once by one call of `bare`, whose seconds come second."""
+    model, default, out = engine.model, engine.model.use_fused_step, {True: ([], []), False: ([], [])}
+    try:
+        for i in range(steps):
+            for fused in (True, False) if i % 2 == 0 else (False, True):
+                model.use_fused_step = fused and default
+                engine_s, bare_s = paired_steps(engine, bare, 1)
+                out[fused][0].extend(engine_s)
+                out[fused][1].extend(bare_s)
+    finally:
+        model.use_fused_step = default
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_batch", description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[64, 512])
@@ -140,25 +162,28 @@ def main(argv: list[str] | None = None) -> int:
     use_threads(args)
 
     prefill_steps = max(args.batches) * max(args.contexts) // 2048 + 1  # steps the early requests decode meanwhile
-    tokens = max(args.batches) * (max(args.contexts) + args.steps + prefill_steps + 8)
+    tokens = max(args.batches) * (max(args.contexts) + 4 * args.steps + prefill_steps + 8)
     llm = LLM(max_num_seqs=max(args.batches), enable_prefix_caching=False, num_kv_blocks=int(1.1 * tokens / 16) + 64)
     engine, gen = llm.engine, torch.Generator().manual_seed(0)
     bandwidth = measure_bandwidth("read", nbytes=1 << 28, device=engine.device)
     print(f"{engine.device}, {str(engine.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, "
           f"{bandwidth / 1e9:.1f} GB/s read; "
           f"decode attention: {'C kernel' if engine.runner.use_cpu_kernel else 'PyTorch'}; "
-          f"{args.steps} paired steps per row; ms per step, attention summed over {engine.config.num_layers} layers")
-    print(f"{'context':>7} {'batch':>5} {'engine':>8} {'bare':>8} {'bare/engine':>17} {'bytes cap':>9}   "
+          f"{args.steps} paired steps per row and way; ms per step, attention summed over {engine.config.num_layers} "
+          f"layers; by layer: bare/engine stepped layer by layer")
+    print(f"{'context':>7} {'batch':>5} {'engine':>8} {'bare':>8} {'bare/engine':>17} {'by layer':>8} {'bytes cap':>9}   "
           f"{'attn: C kernel':>14} {'C int8 K/V':>10} {'torch gather':>12} {'contiguous':>10}")
     misses, breakdown = [], []
     for context in args.contexts:
         for batch in args.batches:
             ids = start_decoding(engine, batch, context, gen)
             bare = matvec_step(engine.model, batch)
-            paired_steps(engine, bare, 2)  # warm-up at this shape
+            alternated_steps(engine, bare, 2)  # warm-up at this shape, both ways
             attention = attention_times(engine)
             kv_bytes = running_kv_bytes(engine)  # at the first paired step
-            engine_times, bare_times = paired_steps(engine, bare, args.steps)
+            ways = alternated_steps(engine, bare, args.steps)
+            engine_times, bare_times = ways[True]
+            by_layer = statistics.median(b / e for e, b in zip(*ways[False]))
             if engine.device.type == "cpu":
                 breakdown.append((context, batch, step_parts(engine, args.steps)))
             for rid in ids:
@@ -168,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             ratio, bare_s = statistics.median(ratios), statistics.median(bare_times)
             cap = bare_s / (bare_s + kv_bytes / bandwidth)
             print(f"{context:7d} {batch:5d} {1e3 * statistics.median(engine_times):8.1f} "
-                  f"{1e3 * bare_s:8.1f} {ratio:5.2f} ({q[0]:.2f}-{q[2]:.2f}) {cap:9.3f}   "
+                  f"{1e3 * bare_s:8.1f} {ratio:5.2f} ({q[0]:.2f}-{q[2]:.2f}) {by_layer:8.2f} {cap:9.3f}   "
                   f"{1e3 * attention['C kernel']:14.1f} {1e3 * attention['C kernel, int8 K/V']:10.1f} "
                   f"{1e3 * attention['torch gather+SDPA']:12.1f} "
                   f"{1e3 * attention['contiguous SDPA']:10.1f}", flush=True)
@@ -176,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 misses.append((batch, cap))
     if breakdown:
         names = ["step", "products", "head", "norms", "attention", "SiLU*up", "rest of forward", "engine"]
-        print("\nwhere a step's time goes, timed in place (ms per step, medians):")
+        print("\nwhere a step's time goes layer by layer, timed in place (ms per step, medians):")
         print(f"{'context':>7} {'batch':>5} " + " ".join(f"{name:>15}" for name in names))
         for context, batch, parts in breakdown:
             print(f"{context:7d} {batch:5d} " + " ".join(f"{1e3 * parts[name]:15.2f}" for name in names))

@@ -31,6 +31,7 @@ from .parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, 
                                        pad_vocab)
 
 if TYPE_CHECKING:
+    from .kernels.decode_layers import DecodeLayers
     from .kernels.decode_step import FusedDecodeStep
 
 
@@ -124,7 +125,7 @@ class CausalLM(nn.Module):
                         if last and not tied else None)
         self.packed_head: torch.Tensor | None = None  # the tied head's oneDNN-packed copy (see pack_weights)
         self.packed_min_rows = 1  # products of fewer rows run through F.linear (see pack_weights)
-        # decode-only steps as one C call where the layers allow it (`fused_decode`); MINILLM_FUSED_STEP=0: never
+        # decode-only steps as one call where the layers allow it (`fused_decode`); MINILLM_FUSED_STEP=0: never
         self.use_fused_step = os.environ.get("MINILLM_FUSED_STEP", "1") != "0"
         self._fused: tuple | None = None  # (cache, first layer's qkv module, step or None) of the last build
 
@@ -144,7 +145,7 @@ class CausalLM(nn.Module):
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """This rank's decoder layers over hidden states `x` `[tokens, hidden]` (its cache's layers in order): a
-        decode-only step in one C call where `fused_decode` has one, else layer by layer."""
+        decode-only step in one call where `fused_decode` has one, else layer by layer."""
         if meta.prefill is None and meta.use_cpu_kernel and self.use_fused_step:
             step = self.fused_decode(kv_cache)
             if step is not None:
@@ -154,12 +155,13 @@ class CausalLM(nn.Module):
             x = layer.forward(rope, x, kv_cache.layer(i), meta)
         return x
 
-    def fused_decode(self, kv_cache) -> FusedDecodeStep | None:
-        """This model's decode step as one C call over `kv_cache` (`kernels/decode_step.py`), or None where it does
-        not apply. It needs every layer's four products in the C kernel's int4/int8 layouts (a model quantized on
-        a CPU with that kernel), no bias but on q/k/v, a dense MLP, the whole model in this process, a float32 or
-        int8 cache, and the C kernels built. Built at the first call for a cache, and again when the layers were
-        replaced since."""
+    def fused_decode(self, kv_cache) -> FusedDecodeStep | DecodeLayers | None:
+        """This model's decode step as one call over `kv_cache`, or None where none applies. A quantized model whose
+        four products per layer are in the C kernel's int4/int8 layouts (quantized on a CPU with that kernel) gets
+        the fused C step (`kernels/decode_step.py`); a float32 one on a CPU gets its layers' own operations in one
+        C++ loop (`kernels/decode_layers.py`). Both need no bias but on q/k/v, a dense MLP, the whole model in this
+        process, a float32 or int8 cache, and their code built. Built at the first call for a cache, and again
+        when the layers were replaced since."""
         qkv = self.layers[0].self_attn.qkv_proj
         if self._fused is None or self._fused[0] is not kv_cache or self._fused[1] is not qkv:
             self._fused = (kv_cache, qkv, _fused_decode_step(self, kv_cache))
@@ -203,8 +205,9 @@ class CausalLM(nn.Module):
         return self.final_logits(x, meta, logits_indices)
 
 
-def _fused_decode_step(model: CausalLM, kv_cache) -> FusedDecodeStep | None:
+def _fused_decode_step(model: CausalLM, kv_cache) -> FusedDecodeStep | DecodeLayers | None:
     """`CausalLM.fused_decode`'s step, built from the model's layers, or None when they do not allow one."""
+    from .kernels.decode_layers import DecodeLayers, decode_layers_available
     from .kernels.decode_step import FusedDecodeStep, LayerWeights, decode_step_available
 
     if (model.ctx is not None or kv_cache.k.dtype not in (torch.float32, torch.int8)
@@ -212,14 +215,19 @@ def _fused_decode_step(model: CausalLM, kv_cache) -> FusedDecodeStep | None:
         return None
     products = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
                 for layer in model.layers]
-    if not all(getattr(p, "kernel", None) is not None for four in products for p in four) \
-            or any(p.bias is not None for four in products for p in four[1:]) or not decode_step_available():
+    if any(p.bias is not None for four in products for p in four[1:]):
         return None  # (a bias only on q/k/v, as Qwen2's)
+    caches = [kv_cache.layer(i) for i in range(len(model.layers))]
+    if all(isinstance(p, Linear) and p.weight.dtype == torch.float32 and p.weight.is_cpu for four in products
+           for p in four) and decode_layers_available():
+        return DecodeLayers(model.layers, caches, model.rotary.cos, model.rotary.sin_signed, model.config.rms_norm_eps)
+    if not all(getattr(p, "kernel", None) is not None for four in products for p in four) \
+            or not decode_step_available():
+        return None
     layers = [LayerWeights(*(p.kernel for p in four), layer.input_layernorm.weight.detach(),
                            layer.post_attention_layernorm.weight.detach(),
                            None if four[0].bias is None else four[0].bias.detach().float().contiguous())
               for four, layer in zip(products, model.layers)]
-    caches = [kv_cache.layer(i) for i in range(len(model.layers))]
     attn = model.layers[0].self_attn
     return FusedDecodeStep(layers, caches, model.rotary.cos, model.rotary.sin_signed, model.config.rms_norm_eps,
                            attn.num_heads, attn.num_kv_heads)

@@ -55,3 +55,25 @@ def reference(tiny_llama):
             cache[key] = llm.generate([list(prompt_ids)], p, use_tqdm=False)[0].outputs[0].token_ids
         return cache[key]
     return run
+
+
+def decode_outputs(llm, prompts, tokens, fused):
+    """The greedy tokens of `prompts` decoded together, and each decode step's last-layer output `[seqs, hidden]`."""
+    from minillm import SamplingParams
+
+    model, outputs = llm.engine.model, []
+    run_layers = model.run_layers
+
+    def capture(x, positions, kv_cache, meta):
+        y = run_layers(x, positions, kv_cache, meta)
+        if meta.prefill is None:
+            outputs.append(y.clone())
+        return y
+
+    model.use_fused_step, model.run_layers = fused, capture
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True), use_tqdm=False)
+    finally:
+        model.use_fused_step = True
+        del model.run_layers
+    return [o.outputs[0].token_ids for o in outs], outputs

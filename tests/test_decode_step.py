@@ -13,31 +13,11 @@ from minillm.kernels.int4_cpu import int4_cpu_amx
 from minillm.perplexity import eval_text
 from minillm.quant import use_c_kernel
 
-from conftest import requires_default_model
+from conftest import decode_outputs, requires_default_model
 
 pytestmark = pytest.mark.skipif(not (decode_step_available() and use_c_kernel()),
                                 reason="the C kernels do not build with a vector path here")
 PROMPTS = [list(range(5, 30)), list(range(40, 47)), [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]]
-
-
-def decode_outputs(llm, prompts, tokens, fused):
-    """The greedy tokens of `prompts` decoded together, and each decode step's last-layer output `[seqs, hidden]`."""
-    model, engine, outputs = llm.engine.model, llm.engine, []
-    run_layers = model.run_layers
-
-    def capture(x, positions, kv_cache, meta):
-        y = run_layers(x, positions, kv_cache, meta)
-        if meta.prefill is None:
-            outputs.append(y.clone())
-        return y
-
-    model.use_fused_step, model.run_layers = fused, capture
-    try:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True), use_tqdm=False)
-    finally:
-        model.use_fused_step = True
-        del model.run_layers
-    return [o.outputs[0].token_ids for o in outs], outputs
 
 
 @pytest.mark.parametrize("method,group_size,kv", [("int4", 32, "auto"), ("int4", 64, "auto"), ("int8", None, "auto"),
@@ -133,7 +113,7 @@ def test_fused_step_gives_the_default_model_s_tokens(kv):
 
 def test_where_the_fused_step_does_not_apply_the_engine_steps_layer_by_layer(tiny_llama, monkeypatch):
     args = dict(device="cpu", dtype=torch.float32, num_kv_blocks=32, block_size=4)
-    for kwargs in ({}, dict(quantization="fp8"), dict(quantization="int4", kv_cache_dtype="fp8")):
+    for kwargs in (dict(quantization="fp8"), dict(quantization="int4", kv_cache_dtype="fp8")):
         llm = LLM(tiny_llama, **args, **kwargs)
         assert llm.engine.model.fused_decode(llm.engine.kv_cache) is None, kwargs
         assert len(llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids) == 3

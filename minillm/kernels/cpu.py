@@ -74,6 +74,32 @@ def build_and_load(source: Path) -> ctypes.CDLL | None:
         return None
 
 
+def build_torch_library(source: Path) -> Path | None:
+    """The C++ file `source`, which registers PyTorch operators, built against this PyTorch's headers and libraries
+    with the machine's C++ compiler (`$CXX`, default `c++`) into the cache directory (named by a hash of its text,
+    the flags and PyTorch's version), for `torch.ops.load_library`; None where it does not build here."""
+    from torch.utils import cpp_extension
+
+    flags = ["-O2", "-shared", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             *(f"-I{p}" for p in cpp_extension.include_paths()), *(f"-L{p}" for p in cpp_extension.library_paths()),
+             *(f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
+    compiler = os.environ.get("CXX", "c++")
+    key = hashlib.sha256(source.read_bytes() + " ".join([compiler, *flags, torch.__version__]).encode()).hexdigest()
+    library = cache_dir() / "kernels" / f"{source.stem}_{key[:16]}.so"
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:  # built aside, then renamed
+        partial = Path(tmp) / library.name
+        try:
+            subprocess.run([compiler, str(source), "-o", str(partial), *flags], check=True, capture_output=True,
+                           text=True)
+        except (OSError, subprocess.CalledProcessError):
+            return None
+        os.replace(partial, library)
+    return library
+
+
 def _declare(lib: ctypes.CDLL | None) -> ctypes.CDLL | None:
     """The attention kernels' signatures on a loaded build of SOURCE."""
     if lib is not None:

@@ -77,6 +77,22 @@ def test_loop_reads_weights_repacked_after_it_was_built(tiny_llama):
     assert ids == ref_ids and all(torch.equal(a, b) for a, b in zip(looped, modules))
 
 
+def test_loop_follows_pruning(tiny_llama):
+    """Structured pruning shrinks the layers in place (fewer query heads, fewer MLP channels, new weights): the loop
+    built before reads them at the next step, as the modules do."""
+    from minillm import pruning
+
+    llm = engine(tiny_llama)
+    model = llm.engine.model
+    step = model.fused_decode(llm.engine.kv_cache)
+    pruning.prune_attention_heads(llm, 1)
+    pruning.prune_mlp_channels(llm, 0.25)
+    assert model.fused_decode(llm.engine.kv_cache) is step
+    ids, looped = decode_outputs(llm, PROMPTS, 5, True)
+    ref_ids, modules = decode_outputs(llm, PROMPTS, 5, False)
+    assert ids == ref_ids and all(torch.equal(a, b) for a, b in zip(looped, modules))
+
+
 def test_where_the_loop_does_not_apply_the_engine_steps_another_way(tiny_llama):
     """Quantized products (the fused C step's, where it builds) and other types: never the float32 loop."""
     for kwargs in (dict(quantization="int8"), dict(quantization="fp8"), dict(kv_cache_dtype="fp8"),

@@ -61,12 +61,13 @@ at::Tensor rms_norm(const at::Tensor &x, const at::Tensor &gain, double eps) {
 
 // weights: each layer's q/k/v, o, gate/up and down products in turn, each oneDNN's packed weight where packed says
 // so (1), else the plain [out, in] one; qkv_biases: each layer's q/k/v bias or none; norms: each layer's input and post-attention RMSNorm gains; caches:
-// each layer's (k, v) float32 pools, or (k, v, k_scale, v_scale) int8 ones. x [seqs, hidden] is left unchanged.
+// each layer's (k, v) float32 pools, or (k, v, k_scale, v_scale) int8 ones; num_heads: each layer's query heads (as
+// pruning left them). x [seqs, hidden] is left unchanged.
 at::Tensor decode_layers(const at::Tensor &x_in, at::TensorList weights, at::IntArrayRef packed,
                          const c10::List<std::optional<at::Tensor>> &qkv_biases, at::TensorList norms,
                          at::TensorList caches, const at::Tensor &cos, const at::Tensor &sin_signed,
                          const at::Tensor &positions, const at::Tensor &slots, const at::Tensor &block_tables,
-                         const at::Tensor &context_lens, int64_t num_heads, double eps, double scale) {
+                         const at::Tensor &context_lens, at::IntArrayRef num_heads, double eps, double scale) {
     TORCH_CHECK(attention_fn != nullptr, "decode_layers: set_kernels was not called");
     const int64_t layers = static_cast<int64_t>(norms.size()) / 2, seqs = x_in.size(0);
     const int64_t per_layer = static_cast<int64_t>(caches.size()) / layers; // 2 float32 pools, or 2 int8 + scales
@@ -79,13 +80,13 @@ at::Tensor decode_layers(const at::Tensor &x_in, at::TensorList weights, at::Int
         const at::TensorList w = weights.slice(4 * l, 4), cache = caches.slice(per_layer * l, per_layer);
         // attention: x + o(attend(rope(qkv(norm(x))))), its cache written on the way (attention.cpu_decode_layer)
         at::Tensor qkv = product(rms_norm(x, norms[2 * l], eps), w[0], qkv_biases.get(l), packed[4 * l], nullptr);
-        at::Tensor o = at::empty({seqs, num_heads * head_dim}, x.options());
+        at::Tensor o = at::empty({seqs, num_heads[l] * head_dim}, x.options());
         attention_fn(qkv.mutable_data_ptr<float>(), rope_cos.const_data_ptr<float>(),
                      rope_sin.const_data_ptr<float>(), slots.const_data_ptr<int64_t>(), cache[0].data_ptr(),
                      cache[1].data_ptr(), per_layer == 4 ? cache[2].mutable_data_ptr<float>() : nullptr,
                      per_layer == 4 ? cache[3].mutable_data_ptr<float>() : nullptr,
                      block_tables.const_data_ptr<int32_t>(), context_lens.const_data_ptr<int32_t>(),
-                     o.mutable_data_ptr<float>(), seqs, num_heads, kv_heads, head_dim, block_size,
+                     o.mutable_data_ptr<float>(), seqs, num_heads[l], kv_heads, head_dim, block_size,
                      block_tables.size(1), static_cast<float>(scale));
         x = product(o, w[1], std::nullopt, packed[4 * l + 1], &x);
         // the MLP: x + down(silu(gate) * up), gate and up from one product of norm(x)
@@ -105,6 +106,6 @@ TORCH_LIBRARY(minillm, m) {
     m.def("set_kernels(int rms_norm, int silu_mul, int rope_store_decode) -> ()", set_kernels);
     m.def("decode_layers(Tensor x, Tensor[] weights, int[] packed, Tensor?[] qkv_biases, Tensor[] norms, "
           "Tensor[] caches, Tensor cos, Tensor sin_signed, Tensor positions, Tensor slots, Tensor block_tables, "
-          "Tensor context_lens, int num_heads, float eps, float scale) -> Tensor",
+          "Tensor context_lens, int[] num_heads, float eps, float scale) -> Tensor",
           decode_layers);
 }

@@ -58,13 +58,10 @@ class DecodeLayers:
             raise ValueError(f"give one cache per layer: {len(layers)} layers, {len(caches)} caches")
         self.products = [p for layer in layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        self.qkv_biases = [layer.self_attn.qkv_proj.bias for layer in layers]
-        self.norms = [n.weight.detach() for layer in layers
-                      for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        self.attention = [layer.self_attn for layer in layers]
+        self.norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         self.caches = [t for cache in caches for t in cache]
         self.cos, self.sin_signed, self.eps = cos, sin_signed, eps
-        attn = layers[0].self_attn
-        self.num_heads, self.scale = attn.num_heads, attn.scale
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor) -> torch.Tensor:
@@ -72,9 +69,12 @@ class DecodeLayers:
         token sits at `positions[i]` and goes into cache slot `slots[i]` (int64); `block_tables` `[seqs,
         max_blocks]` and `context_lens` `[seqs]` (int32, contiguous) give its blocks and its length with the new
         token. Unchecked, as the engine's other kernels are at every step."""
-        rows = x.shape[0]  # each product picks its weight as `layers.Linear.product` does, at every call
-        packed = [int(rows >= p.packed_min_rows and p.packed is not None) for p in self.products]
-        weights = [p.packed if use else p.weight for p, use in zip(self.products, packed)]
-        return _operator()(x, weights, packed, self.qkv_biases, self.norms, self.caches, self.cos,
-                           self.sin_signed, positions, slots, block_tables, context_lens, self.num_heads, self.eps,
-                           self.scale)
+        rows, weights, packed = x.shape[0], [], []
+        for p in self.products:  # read at every call, as the modules read them: pruning and repacking change them
+            use = rows >= p.packed_min_rows and p.packed is not None  # as `layers.Linear.product` picks
+            packed.append(int(use))
+            weights.append(p.packed if use else p.weight)
+        attention = self.attention
+        return _operator()(x, weights, packed, [a.qkv_proj.bias for a in attention], [n.weight for n in self.norms],
+                           self.caches, self.cos, self.sin_signed, positions, slots, block_tables, context_lens,
+                           [a.num_heads for a in attention], self.eps, attention[0].scale)

@@ -42,7 +42,7 @@ import minillm.layers
 import minillm.model
 from minillm import LLM
 from minillm.attention import _Part, cpu_decode_attention, decode_attention, quantize_kv
-from minillm.roofline import matvec_step, measure_bandwidth, paired_steps, running_kv_bytes, start_decoding
+from minillm.roofline import alternated_steps, matvec_step, measure_bandwidth, running_kv_bytes, start_decoding
 
 TARGET = 0.85  # bare/engine at every batch up to TARGET_BATCH at the shortest context
 TARGET_BATCH = 32
@@ -133,23 +133,6 @@ def step_parts(engine, steps: int) -> dict[str, float]:
             per_step["engine"].append(step - totals["forward"])
             per_step["step"].append(step)
     return {name: statistics.median(times) for name, times in per_step.items()}
-
-
-def alternated_steps(engine, bare, steps: int) -> dict[bool, tuple[list[float], list[float]]]:
-    """Seconds of `steps` decode steps of `engine` each way, keyed by `use_fused_step` (True: as the engine runs,
-    False: layer by layer), alternating step by step so that a slow spell of the machine weighs on both; each step
-    followed at once by one call of `bare`, whose seconds come second."""
-    model, default, out = engine.model, engine.model.use_fused_step, {True: ([], []), False: ([], [])}
-    try:
-        for i in range(steps):
-            for fused in (True, False) if i % 2 == 0 else (False, True):
-                model.use_fused_step = fused and default
-                engine_s, bare_s = paired_steps(engine, bare, 1)
-                out[fused][0].extend(engine_s)
-                out[fused][1].extend(bare_s)
-    finally:
-        model.use_fused_step = default
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

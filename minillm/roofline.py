@@ -376,6 +376,23 @@ def paired_steps(engine, bare: Callable[[], None], steps: int) -> tuple[list[flo
     return engine_times, bare_times
 
 
+def alternated_steps(engine, bare, steps: int) -> dict[bool, tuple[list[float], list[float]]]:
+    """`paired_steps` both ways, keyed by `use_fused_step` (True: in one call, as the engine runs; False: layer by
+    layer through the modules): `steps` decode steps of `engine` each way, alternating step by step so that a slow
+    spell of the machine weighs on both, each followed at once by one call of `bare`, whose seconds come second."""
+    model, default, out = engine.model, engine.model.use_fused_step, {True: ([], []), False: ([], [])}
+    try:
+        for i in range(steps):
+            for fused in (True, False) if i % 2 == 0 else (False, True):
+                model.use_fused_step = fused and default
+                engine_s, bare_s = paired_steps(engine, bare, 1)
+                out[fused][0].extend(engine_s)
+                out[fused][1].extend(bare_s)
+    finally:
+        model.use_fused_step = default
+    return out
+
+
 # ---- memory budget ----------------------------------------------------------------------------------------
 
 

@@ -15,8 +15,8 @@ PROMPTS = [list(range(5, 30)), list(range(40, 47)), [3, 1, 4, 1, 5, 9, 2, 6, 5, 
 
 
 def engine(path, **kwargs):
-    return LLM(path, device="cpu", dtype=torch.float32, num_kv_blocks=64, block_size=4, enable_prefix_caching=False,
-               **kwargs)
+    return LLM(path, **{**dict(device="cpu", dtype=torch.float32, num_kv_blocks=64, block_size=4,
+                               enable_prefix_caching=False), **kwargs})
 
 
 @pytest.mark.parametrize("kv", ["auto", "int8"])
@@ -97,7 +97,6 @@ def test_where_the_loop_does_not_apply_the_engine_steps_another_way(tiny_llama):
     """Quantized products (the fused C step's, where it builds) and other types: never the float32 loop."""
     for kwargs in (dict(quantization="int8"), dict(quantization="fp8"), dict(kv_cache_dtype="fp8"),
                    dict(dtype=torch.bfloat16)):
-        llm = engine(tiny_llama, **kwargs) if "dtype" not in kwargs else LLM(
-            tiny_llama, device="cpu", num_kv_blocks=64, block_size=4, **kwargs)
+        llm = engine(tiny_llama, **kwargs)
         assert not isinstance(llm.engine.model.fused_decode(llm.engine.kv_cache), DecodeLayers), kwargs
         assert len(llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids) == 3

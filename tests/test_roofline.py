@@ -206,6 +206,9 @@ def test_batched_steps_start_pair_and_free(tiny, tiny_llama):
     assert rl.running_step_bytes(engine) == rl.step_weight_bytes(engine.model) + per_token * tokens
     steps, products = rl.paired_steps(engine, rl.matvec_step(engine.model, 3), 2)
     assert len(steps) == len(products) == 2 and min(steps + products) > 0
+    ways = rl.alternated_steps(engine, rl.matvec_step(engine.model, 3), 2)  # in one call and layer by layer
+    assert {way: tuple(map(len, times)) for way, times in ways.items()} == {True: (2, 2), False: (2, 2)}
+    assert engine.model.use_fused_step  # as it was
     for rid in ids:
         engine.abort(rid)
     assert not engine.has_unfinished_requests() and engine.block_manager.num_free_blocks == free

@@ -46,23 +46,33 @@ def _source_text(source: Path) -> bytes:
     return text
 
 
-def _build(source: Path, directory: Path) -> Path:
-    """Compile and link the C file `source` into `directory` (named by a hash of its text, the text of what it
-    includes with quotes, and the flags); its path."""
-    compiler = os.environ.get("CC", "cc")
-    text = _source_text(source)
-    key = hashlib.sha256(text + " ".join([compiler, *COMPILE_FLAGS, *LINK_FLAGS]).encode()).hexdigest()[:16]
+def _cached_build(source: Path, directory: Path, flags: list[str], commands) -> Path:
+    """`source` built once into `directory` as `<stem>_<key>.so`, the key a hash of its text (with the text of what
+    it includes with quotes) and of `flags`; `commands(tmp, out)` lists the commands that build it at `out`, in the
+    temporary folder `tmp`. Built aside, then renamed: safe for parallel builds. Raises where a command fails."""
+    key = hashlib.sha256(_source_text(source) + " ".join(flags).encode()).hexdigest()[:16]
     library = directory / f"{source.stem}_{key}.so"
     if library.exists():
         return library
     directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:  # built aside, then renamed: safe for parallel builds
-        obj, lib = Path(tmp) / f"{source.stem}.o", Path(tmp) / library.name
-        for cmd in ([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
-                    [compiler, *LINK_FLAGS, str(obj), "-o", str(lib), "-lmvec", "-lm"]):
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        out = Path(tmp) / library.name
+        for cmd in commands(Path(tmp), out):
             subprocess.run(cmd, check=True, capture_output=True, text=True)
-        os.replace(lib, library)
+        os.replace(out, library)
     return library
+
+
+def _build(source: Path, directory: Path) -> Path:
+    """Compile and link the C file `source` into `directory` (cached, see `_cached_build`); its path."""
+    compiler = os.environ.get("CC", "cc")
+
+    def commands(tmp: Path, out: Path) -> list[list[str]]:
+        obj = tmp / f"{source.stem}.o"
+        return [[compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
+                [compiler, *LINK_FLAGS, str(obj), "-o", str(out), "-lmvec", "-lm"]]
+
+    return _cached_build(source, directory, [compiler, *COMPILE_FLAGS, *LINK_FLAGS], commands)
 
 
 def build_and_load(source: Path) -> ctypes.CDLL | None:
@@ -75,29 +85,20 @@ def build_and_load(source: Path) -> ctypes.CDLL | None:
 
 
 def build_torch_library(source: Path) -> Path | None:
-    """The C++ file `source`, which registers PyTorch operators, built against this PyTorch's headers and libraries
-    with the machine's C++ compiler (`$CXX`, default `c++`) into the cache directory (named by a hash of its text,
-    the flags and PyTorch's version), for `torch.ops.load_library`; None where it does not build here."""
+    """The C++ file `source`, which registers PyTorch operators, built (cached) against this PyTorch's headers and
+    libraries with the machine's C++ compiler (`$CXX`, default `c++`), for `torch.ops.load_library`; None where it
+    does not build here."""
     from torch.utils import cpp_extension
 
+    compiler = os.environ.get("CXX", "c++")
     flags = ["-O2", "-shared", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
              *(f"-I{p}" for p in cpp_extension.include_paths()), *(f"-L{p}" for p in cpp_extension.library_paths()),
              *(f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
-    compiler = os.environ.get("CXX", "c++")
-    key = hashlib.sha256(source.read_bytes() + " ".join([compiler, *flags, torch.__version__]).encode()).hexdigest()
-    library = cache_dir() / "kernels" / f"{source.stem}_{key[:16]}.so"
-    if library.exists():
-        return library
-    library.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:  # built aside, then renamed
-        partial = Path(tmp) / library.name
-        try:
-            subprocess.run([compiler, str(source), "-o", str(partial), *flags], check=True, capture_output=True,
-                           text=True)
-        except (OSError, subprocess.CalledProcessError):
-            return None
-        os.replace(partial, library)
-    return library
+    try:
+        return _cached_build(source, cache_dir() / "kernels", [compiler, *flags, torch.__version__],
+                             lambda tmp, out: [[compiler, str(source), "-o", str(out), *flags]])
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def _declare(lib: ctypes.CDLL | None) -> ctypes.CDLL | None:

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     engine, gen = llm.engine, torch.Generator().manual_seed(0)
     ways = {"amx": True, "vector": False} if int4_cpu_amx() else {int4_cpu_isa(): None}
     peaks = {way: measure_int8_peak(amx=amx) for way, amx in ways.items()}
-    bandwidth = measure_bandwidth("read", nbytes=1 << 28)
+    bandwidth = measure_bandwidth("read")
     weights = step_weight_bytes(engine.model)
     print(f"int4, {torch.get_num_threads()} threads, kernel {int4_cpu_isa()}; 8-bit multiply-add peak "
           + ", ".join(f"{peak / 1e9:.0f} G/s ({way})" for way, peak in peaks.items())

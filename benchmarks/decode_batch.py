@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = max(args.batches) * (max(args.contexts) + 4 * args.steps + prefill_steps + 8)
     llm = LLM(max_num_seqs=max(args.batches), enable_prefix_caching=False, num_kv_blocks=int(1.1 * tokens / 16) + 64)
     engine, gen = llm.engine, torch.Generator().manual_seed(0)
-    bandwidth = measure_bandwidth("read", nbytes=1 << 28, device=engine.device)
+    bandwidth = measure_bandwidth("read", device=engine.device)
     print(f"{engine.device}, {str(engine.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, "
           f"{bandwidth / 1e9:.1f} GB/s read; "
           f"decode attention: {'C kernel' if engine.runner.use_cpu_kernel else 'PyTorch'}; "

@@ -238,7 +238,7 @@ def child(hf: Path, threads: int, rounds: int) -> dict:
             llm.generate([ids], one, use_tqdm=False)
             times.append(time.perf_counter() - start)
         figures[f"pp{n}"] = n / statistics.median(times)
-    bandwidth = measure_bandwidth("read", nbytes=1 << 28)
+    bandwidth = measure_bandwidth("read")
     gen = torch.Generator().manual_seed(0)
     for batch in BATCHES:
         ids = start_decoding(engine, batch, BATCH_CONTEXT, gen)

@@ -183,20 +183,22 @@ def time_interleaved(fns: Sequence[Callable[[], object]], device: torch.device |
 
 
 def measure_bandwidth(kind: str = "triad", nbytes: int | None = None, device=None, repeats: int = 10) -> float:
-    """Memory bandwidth in bytes/s from a STREAM-like kernel on arrays of `nbytes` each (far beyond any cache).
+    """Memory bandwidth in bytes/s from a STREAM-like kernel on arrays of `nbytes` each, by default far beyond any
+    cache: 1 GiB on a GPU; on a CPU four times its largest cache (`cpu_cache_sizes`), at least 128 MiB, since a
+    server's last-level cache can hold hundreds of megabytes and a smaller array would time the cache.
 
     "copy": a = b (reads b, writes a); "triad": a = b + s*c (reads b and c, writes a); "read": sum(b).
     """
+    arrays = {"copy": 2, "triad": 3, "read": 1}
+    if kind not in arrays:
+        raise ValueError(f"kind {kind!r} is not a bandwidth kernel; use one of {sorted(arrays)}")
     device = _default_device(device)
-    nbytes = nbytes or (1 << 30 if device.type == "cuda" else 1 << 27)
+    if nbytes is None:
+        nbytes = 1 << 30 if device.type == "cuda" else max(1 << 27, 4 * max(cpu_cache_sizes().values(), default=0))
     n = nbytes // 4
-    a, b, c = (torch.rand(n, device=device) for _ in range(3))
-    kernels = {"copy": (lambda: a.copy_(b), 2), "triad": (lambda: torch.add(b, c, alpha=3.0, out=a), 3),
-               "read": (lambda: b.sum(), 1)}
-    if kind not in kernels:
-        raise ValueError(f"kind {kind!r} is not a bandwidth kernel; use one of {sorted(kernels)}")
-    fn, arrays = kernels[kind]
-    return arrays * n * 4 / time_median(fn, device, repeats)
+    b, a, c = [torch.full((n,), 1.0, device=device) for _ in range(arrays[kind])] + [None] * (3 - arrays[kind])
+    fn = {"copy": lambda: a.copy_(b), "triad": lambda: torch.add(b, c, alpha=3.0, out=a), "read": lambda: b.sum()}
+    return arrays[kind] * n * 4 / time_median(fn[kind], device, repeats)
 
 
 def measure_cache_bandwidth(nbytes: int, device=None, read_bytes: int = 1 << 26, repeats: int = 5) -> float:

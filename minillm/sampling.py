@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .kernels import small_ops
+from .layers import runs_in_c
 from .structured_output import StructuredOutputsParams, allowed_tokens
 
 if TYPE_CHECKING:
@@ -271,6 +273,16 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
+def first_argmax(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (its first top value, as `argmax`), or -1 where that top value is not finite: one pass
+    over the logits and one transfer from the device. Float32 rows on a CPU go to a C loop (`kernels/small_ops.c`),
+    which PyTorch's max with indices runs several times slower; the tests check both agree."""
+    if runs_in_c(logits) and logits.is_contiguous():
+        return small_ops.argmax(logits).tolist()
+    top, argmax = logits.max(dim=-1)
+    return torch.where(top.isfinite(), argmax, -1).tolist()
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[int | None]:
     """One token per row of `logits [seqs, vocab]`: argmax when greedy, else a draw from the filtered softmax.
@@ -280,10 +292,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     `apply_penalties`). A row whose top logit is not finite (a NaN or +inf in it, or every token at -inf) has no
     distribution: its token is None, and the other rows are sampled as usual.
     """
-    # one pass over the logits and one transfer from the device: each row's argmax (its first top value, as
-    # `argmax`), or -1 where that top value is not finite
-    top, argmax = logits.max(dim=-1)
-    tokens = torch.where(top.isfinite(), argmax, -1).tolist()
+    tokens = first_argmax(logits)
     for i, (p, gen) in enumerate(zip(params, generators)):
         if tokens[i] < 0:
             tokens[i] = None

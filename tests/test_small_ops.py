@@ -1,13 +1,15 @@
 """RMSNorm, RoPE and SiLU times up in C (`minillm/kernels/small_ops.c`) against their PyTorch definitions in
 `minillm.layers`, which still run where a gradient is wanted, a dispatch mode watches, or the tensors are not
-float32 on a CPU."""
+float32 on a CPU; and greedy sampling's argmax against PyTorch's max."""
+
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from minillm import layers
+from minillm import layers, sampling
 from minillm.kernels.small_ops import small_ops_available
 
 pytestmark = pytest.mark.skipif(not small_ops_available(), reason="no C compiler here")
@@ -61,3 +63,28 @@ def test_pytorch_runs_where_the_c_functions_do_not_apply():
     w = gain.clone().requires_grad_()
     layers.rms_norm(x, w, 1e-6).sum().backward()  # a gradient wanted: PyTorch's, which autograd differentiates
     torch.testing.assert_close(w.grad, F.rms_norm(x, (64,), eps=1e-6).sum(0))
+
+
+@pytest.mark.parametrize("vocab", [1, 63, 64, 65, 1000, 49152])
+@pytest.mark.parametrize("rows", [1, 3, 40])  # 40 rows of 49152: the threaded path
+def test_argmax_matches_pytorch_s_first_top_value_and_its_non_finite_rows(rows, vocab):
+    gen = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=gen).round(decimals=1)  # few distinct values: ties everywhere
+    if rows >= 3:
+        logits[1, -1] = logits[1].max() + 1  # the top value last
+        logits[2, :] = -math.inf  # every token masked: no argmax
+    if rows >= 40 and vocab >= 64:
+        logits[3, 5], logits[4, -1], logits[5, 0] = math.nan, math.inf, math.nan  # a NaN or +inf: none either
+        logits[6, ::2] = -math.inf  # half masked: the argmax among the rest
+        logits[7] = 0.0
+        logits[7, vocab // 2:] = -0.0  # +0 and -0 are equal: the first is the argmax
+        logits[8, :] = -3.0e38  # all equal and finite: index 0
+        logits[9, -1] = math.inf  # +inf in the last chunk only
+    with torch.no_grad():
+        assert layers.runs_in_c(logits)
+        ours = sampling.first_argmax(logits)
+    with torch.enable_grad():  # PyTorch's max
+        theirs = sampling.first_argmax(logits)
+    assert ours == theirs
+    if rows >= 40 and vocab >= 64:
+        assert ours[2:6] == [-1, -1, -1, -1] and ours[7] == 0 and ours[8] == 0 and ours[9] == -1

@@ -1,5 +1,6 @@
-/* The small operations between a decoder layer's products, on float32 rows: RMSNorm, RoPE and SiLU times up.
- * minillm/layers.py defines each in PyTorch and, on a CPU, calls these instead; the fused decode step
+/* The small operations between a decoder layer's products, on float32 rows: RMSNorm, RoPE and SiLU times up, and
+ * greedy sampling's argmax over the logits. minillm/layers.py (sampling.py) defines each in PyTorch and, on a CPU,
+ * calls these instead; the fused decode step
  * (decode_step.c) and the attention kernel (paged_decode.c) include this file and call the same row functions.
  * Each row function is kept out of line, one compiled body whoever calls it, so that a step layer by layer and a
  * fused step compute the same floats: an input of a product that differs in its last bit can round to another int8
@@ -7,6 +8,7 @@
  * Compiled at first use by minillm/kernels/small_ops.py. */
 #include <math.h>
 #include <omp.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -72,4 +74,58 @@ void silu_mul_f32(const float *gu, int64_t m, int64_t n, float *out) {
     }
 #pragma omp parallel for
     for (int64_t i = 0; i < m; i++) silu_mul_row(gu + i * 2 * n, n, out + i * n);
+}
+
+#define ARGMAX_CHUNK 64 /* values whose largest is kept in pass 1, so that pass 2 scans one chunk, not the row */
+
+/* Whether a float is a NaN or an infinity, read from its bits: the library is built with -ffast-math, under which
+ * the compiler takes isnan and isinf to be false. */
+static inline bool not_finite(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    return (bits & 0x7F800000u) == 0x7F800000u;
+}
+
+/* Index of the first largest of n values, or -1 where that largest is not finite (a NaN anywhere, a +inf, or every
+ * value -inf): what sampling.sample reads from PyTorch's max(dim=-1). Pass 1 keeps each chunk's largest and counts
+ * the values that are not finite (both loops vectorize); pass 2 finds the first chunk holding the row's largest and
+ * the first place in it. */
+__attribute__((noinline)) static int64_t argmax_row(const float *x, int64_t n) {
+    float chunk_max[(n + ARGMAX_CHUNK - 1) / ARGMAX_CHUNK];
+    float best = -INFINITY;
+    int odd = 0; /* values that are not finite; only the max may be an infinity, checked below */
+    for (int64_t c = 0; c * ARGMAX_CHUNK < n; c++) {
+        const int64_t end = (c + 1) * ARGMAX_CHUNK < n ? (c + 1) * ARGMAX_CHUNK : n;
+        float m = -INFINITY;
+        for (int64_t i = c * ARGMAX_CHUNK; i < end; i++) {
+            m = fmaxf(m, x[i]);
+            odd += not_finite(x[i]);
+        }
+        chunk_max[c] = m;
+        best = fmaxf(best, m);
+    }
+    if (odd) { /* a NaN or an infinity in the row: only a row whose infinities are all -inf below a finite max has an
+                * argmax */
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t bits;
+            memcpy(&bits, x + i, 4);
+            if (not_finite(x[i]) && bits != 0xFF800000u) return -1; /* a NaN or +inf */
+        }
+        if (not_finite(best)) return -1; /* every value -inf */
+    }
+    int64_t c = 0;
+    while (chunk_max[c] != best) c++;
+    int64_t i = c * ARGMAX_CHUNK;
+    while (x[i] != best) i++;
+    return i;
+}
+
+/* argmax_row over m rows of n values (contiguous) into idx [m]. */
+void argmax_f32(const float *x, int64_t m, int64_t n, int64_t *idx) {
+    if (m * n < SMALL_SERIAL) {
+        for (int64_t i = 0; i < m; i++) idx[i] = argmax_row(x + i * n, n);
+        return;
+    }
+#pragma omp parallel for
+    for (int64_t i = 0; i < m; i++) idx[i] = argmax_row(x + i * n, n);
 }

@@ -13,7 +13,8 @@ passes whose order flips every pass, each engine in its own process:
   repacked at load; the better of the two counts);
 - minillm: batch-1 greedy decode of 128 tokens (1 / time per output token), prefill of 128 and 512 tokens (one
   request, its first token's wall time), and decode steps at batch 16 and 32 (context 64) against their bytes floor:
-  the step's weights and KV cache read once at the read bandwidth measured here with the same threads;
+  the step's weights and KV cache read once at the read bandwidth measured with the same threads just before, by
+  the parent process (its array, larger than any cache, stays out of minillm's peak memory);
 - peak resident memory of each process (`VmHWM`, polled).
 
 Decode GB/s counts the bytes of weights a decode step reads (each engine's own storage); the table gives each figure
@@ -192,23 +193,31 @@ def bench_llama(binary: Path, gguf: Path, threads: int, rounds: int, log: Path, 
 
 
 def bench_minillm(hf: Path, threads: int, rounds: int, log: Path) -> dict:
-    """This module's `--child` run on the shape's directory, in a process of its own."""
+    """This module's `--child` run on the shape's directory, in a process of its own. The read bandwidth of its
+    bytes floor is measured here, with the same threads, just before: its array (larger than any cache, a gigabyte
+    on a server) would otherwise count in the child's peak memory."""
+    import torch
+
+    from minillm.roofline import measure_bandwidth
+
+    torch.set_num_threads(threads)
+    bandwidth = measure_bandwidth("read")
     cmd = [sys.executable, "-m", "benchmarks.scaling", "--child", str(hf), "--threads", str(threads),
-           "--rounds", str(rounds)]
+           "--rounds", str(rounds), "--bandwidth", str(bandwidth)]
     text, peak = measured(cmd, log, timeout=3600)
     return {**json.loads(text.strip().splitlines()[-1]), "peak_mib": peak}
 
 
 # --- minillm's side, run as `--child` -------------------------------------------------------------------------
 
-def child(hf: Path, threads: int, rounds: int) -> dict:
-    """minillm int4 on `hf`: decode, prefill and batched figures, the bytes a step reads, the greedy check's
-    tokens; printed as one JSON line."""
+def child(hf: Path, threads: int, rounds: int, bandwidth: float) -> dict:
+    """minillm int4 on `hf`: decode, prefill and batched figures (their bytes floor at `bandwidth` bytes/s), the
+    bytes a step reads, the greedy check's tokens; printed as one JSON line."""
     import torch
 
     from minillm import LLM, SamplingParams
     from minillm.metrics import tpot
-    from minillm.roofline import measure_bandwidth, paired_steps, running_step_bytes, start_decoding, step_weight_bytes
+    from minillm.roofline import paired_steps, running_step_bytes, start_decoding, step_weight_bytes
 
     os.environ["MINILLM_NUM_THREADS"] = str(threads)
     tokens = max(BATCHES) * (BATCH_CONTEXT + 64)
@@ -238,7 +247,6 @@ def child(hf: Path, threads: int, rounds: int) -> dict:
             llm.generate([ids], one, use_tqdm=False)
             times.append(time.perf_counter() - start)
         figures[f"pp{n}"] = n / statistics.median(times)
-    bandwidth = measure_bandwidth("read")
     gen = torch.Generator().manual_seed(0)
     for batch in BATCHES:
         ids = start_decoding(engine, batch, BATCH_CONTEXT, gen)
@@ -365,11 +373,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--append", action="store_true",
                         help="keep the rows already in --json for the shapes not measured now")
     parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--bandwidth", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if min(args.threads) < 1 or args.rounds < 1 or args.passes < 1:
         parser.error("--threads, --rounds and --passes must be at least 1")
     if args.child is not None:
-        print(json.dumps(child(args.child, args.threads[0], args.rounds)))
+        print(json.dumps(child(args.child, args.threads[0], args.rounds, args.bandwidth)))
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:

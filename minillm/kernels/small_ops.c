@@ -87,32 +87,26 @@ static inline bool not_finite(float v) {
 }
 
 /* Index of the first largest of n values, or -1 where that largest is not finite (a NaN anywhere, a +inf, or every
- * value -inf): what sampling.sample reads from PyTorch's max(dim=-1). Pass 1 keeps each chunk's largest and counts
- * the values that are not finite (both loops vectorize); pass 2 finds the first chunk holding the row's largest and
- * the first place in it. */
+ * value -inf): what sampling.sample reads from PyTorch's max(dim=-1). One pass keeps each chunk's largest and counts
+ * the NaNs and +infs (both loops vectorize); then the first chunk holding the row's largest, and the first place in
+ * it. */
 __attribute__((noinline)) static int64_t argmax_row(const float *x, int64_t n) {
     float chunk_max[(n + ARGMAX_CHUNK - 1) / ARGMAX_CHUNK];
     float best = -INFINITY;
-    int odd = 0; /* values that are not finite; only the max may be an infinity, checked below */
+    int bad = 0; /* NaNs and +infs: a row with one has no argmax (-inf, a masked token, is fine) */
     for (int64_t c = 0; c * ARGMAX_CHUNK < n; c++) {
         const int64_t end = (c + 1) * ARGMAX_CHUNK < n ? (c + 1) * ARGMAX_CHUNK : n;
         float m = -INFINITY;
         for (int64_t i = c * ARGMAX_CHUNK; i < end; i++) {
+            uint32_t bits;
+            memcpy(&bits, x + i, 4);
             m = fmaxf(m, x[i]);
-            odd += not_finite(x[i]);
+            bad += not_finite(x[i]) & (bits != 0xFF800000u);
         }
         chunk_max[c] = m;
         best = fmaxf(best, m);
     }
-    if (odd) { /* a NaN or an infinity in the row: only a row whose infinities are all -inf below a finite max has an
-                * argmax */
-        for (int64_t i = 0; i < n; i++) {
-            uint32_t bits;
-            memcpy(&bits, x + i, 4);
-            if (not_finite(x[i]) && bits != 0xFF800000u) return -1; /* a NaN or +inf */
-        }
-        if (not_finite(best)) return -1; /* every value -inf */
-    }
+    if (bad || not_finite(best)) return -1; /* a NaN or +inf, or every value -inf */
     int64_t c = 0;
     while (chunk_max[c] != best) c++;
     int64_t i = c * ARGMAX_CHUNK;

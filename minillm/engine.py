@@ -115,8 +115,9 @@ class LLMEngine:
                                               args.load_format, args.num_threads)
             self.model = self.executor.model
         else:
+            quantization = None if args.quantization is None else (args.quantization, args.quantization_group_size)
             self.model = load_model(self.path, self.config, self.dtype, self.device, args.load_format,
-                                    pack=args.quantization is None)
+                                    pack=args.quantization is None, quantization=quantization)
         try:
             self._build_runtime(args)
         except BaseException:

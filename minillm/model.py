@@ -13,6 +13,7 @@ calls per decode step cost a measurable share of the time left over after the we
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -235,10 +236,13 @@ def _fused_decode_step(model: CausalLM, kv_cache) -> FusedDecodeStep | DecodeLay
 
 def load_model(path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                load_format: str = "auto", seed: int = 0, ctx: ParallelContext | None = None,
-               pack: bool = True) -> CausalLM:
+               pack: bool = True, quantization: tuple[str, int | None] | None = None) -> CausalLM:
     """Build the model (or, under a parallel layout, this rank's part of it) on `device` and fill it from the
     checkpoint at `path` ("auto") or randomly ("dummy"). `pack=False` skips oneDNN's packed copies, for a model
-    about to be quantized (they would double the float weights' memory only to be dropped)."""
+    about to be quantized (they would double the float weights' memory only to be dropped). `quantization`
+    (method, group size): each decoder layer's linear layers are quantized as soon as the checkpoint has filled
+    that layer, and their float weights freed, so loading peaks near the quantized model's size rather than the
+    float model's; `quant.quantize_model` does the rest (embedding, head) afterwards."""
     with torch.device("meta"):  # no time spent on random init of weights about to be overwritten
         model = CausalLM(config, ctx).to(dtype)
     model = model.to_empty(device=device)
@@ -250,7 +254,14 @@ def load_model(path, config: ModelConfig, dtype: torch.dtype, device: torch.devi
     elif load_format == "auto":
         from .weights import checkpoint_tensors
 
-        _load_hf_weights(model, checkpoint_tensors(path))
+        layer_loaded = None
+        if quantization is not None:
+            from .quant import quantize_linears
+
+            def layer_loaded(layer: nn.Module) -> None:
+                quantize_linears(layer, *quantization)
+
+        _load_hf_weights(model, checkpoint_tensors(path), layer_loaded)
     else:
         raise ValueError(f"load_format {load_format!r} is not supported; use 'auto' or 'dummy'")
     if pack and use_packed_weights(device, dtype):
@@ -303,11 +314,17 @@ def checkpoint_target(model: CausalLM, name: str) -> tuple[str, object] | None:
     return ".".join(parts), None
 
 
-def _load_hf_weights(model: CausalLM, tensors) -> None:
+def _load_hf_weights(model: CausalLM, tensors, layer_loaded: Callable[[nn.Module], None] | None = None) -> None:
     """Fill our parameters from a Hugging Face checkpoint's `(name, read)` pairs, each through its layer's
     `weight_loader` (which keeps this rank's shard of it), reading only the tensors this rank holds; failing on
-    anything missing or extra."""
+    anything missing or extra. `layer_loaded` is called with each decoder layer once all of its weights are in."""
     params = dict(model.named_parameters())
+    parts = [(name, part) for name in params
+             for part in getattr(model.get_submodule(name.rpartition(".")[0]), "shard_ids", (None,))]
+    waiting: dict[int, set] = {}  # decoder layer (local index) -> its weights not loaded yet
+    for name, part in parts:
+        if name.startswith("layers."):
+            waiting.setdefault(int(name.split(".")[1]), set()).add((name, part))
     loaded = set()
     with torch.no_grad():
         for hf_name, read in tensors:
@@ -320,6 +337,8 @@ def _load_hf_weights(model: CausalLM, tensors) -> None:
             if target is None:
                 continue
             param_name, part = target
+            if (param_name, part) in loaded and param_name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} appears twice")
             if param_name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the Llama-family model")
             loader = getattr(model.get_submodule(param_name.rpartition(".")[0]), "weight_loader", None)
@@ -328,8 +347,13 @@ def _load_hf_weights(model: CausalLM, tensors) -> None:
             else:
                 params[param_name].copy_(read())
             loaded.add((param_name, part))
-    missing = [name for name in params
-               for part in getattr(model.get_submodule(name.rpartition(".")[0]), "shard_ids", (None,))
-               if (name, part) not in loaded]
+            if layer_loaded is not None and param_name.startswith("layers."):
+                index = int(param_name.split(".")[1])
+                waiting[index].discard((param_name, part))
+                if not waiting[index]:
+                    layer_loaded(model.layers[index])
+                    for name in [n for n in params if n.startswith(f"layers.{index}.")]:
+                        del params[name]  # a replaced float weight is freed only when nothing holds it
+    missing = [name for name, part in parts if (name, part) not in loaded]
     if missing:
         raise ValueError(f"checkpoint is missing weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")

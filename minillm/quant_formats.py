@@ -31,15 +31,22 @@ def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32, gro
     """Symmetric int8: (q int8 `[out, in]`, scale float32), w ~ q * scale, with one scale per output channel
     (`[out]`) or, given `group_size`, per group of that many inputs (`[out, in / G]`, GGUF's Q8_0 with G = 32).
     The scales are rounded to `scale_dtype` first (a kernel that takes bfloat16 scales then computes with exactly
-    these)."""
+    these). Rows are rounded a slice at a time, so a large matrix (a vocabulary's embedding) needs no float
+    temporaries of its own size."""
     check_weight(w)
     out_features, in_features = w.shape
     if group_size is not None and (group_size < 1 or in_features % group_size):
         raise ValueError(f"group size {group_size} must divide the {in_features} inputs of the weight")
-    groups = w.float().view(out_features, -1, group_size or in_features)
+    per_group = group_size or in_features
+    q = torch.empty(out_features, in_features, dtype=torch.int8, device=w.device)
+    scale = torch.empty(out_features, in_features // per_group, dtype=torch.float32, device=w.device)
     tiny = torch.finfo(scale_dtype).tiny
-    scale = (groups.abs().amax(dim=-1) / 127).clamp(min=tiny).to(scale_dtype).float().clamp(min=tiny)
-    q = torch.round(groups / scale[..., None]).clamp(-127, 127).to(torch.int8).view(out_features, in_features)
+    step = max(1, (1 << 22) // in_features)  # rows per slice: 16 MB of float32
+    for r in range(0, out_features, step):
+        groups = w[r:r + step].float().view(-1, in_features // per_group, per_group)
+        s = (groups.abs().amax(dim=-1) / 127).clamp(min=tiny).to(scale_dtype).float().clamp(min=tiny)
+        q[r:r + step] = torch.round(groups / s[..., None]).clamp(-127, 127).to(torch.int8).view(-1, in_features)
+        scale[r:r + step] = s
     return q, scale if group_size else scale[:, 0]
 
 

@@ -172,3 +172,48 @@ def test_default_model_quantized_logits_stay_close():
     assert kept > cosine(logits, base, dim=0)  # int4 with its embedding and head in int8 too: further off
     with pytest.raises(ValueError, match="group size 128 must divide the 576 inputs"):
         LLM(quantization="int4", quantization_group_size=128)
+
+
+@pytest.mark.parametrize("method, group_size", [("int8", None), ("int4", 32)])
+def test_layers_quantized_while_loading_equal_quantizing_the_loaded_model(tiny_any, method, group_size, monkeypatch):
+    """The loader quantizes each decoder layer as soon as the checkpoint has filled it, so that a quantized model's
+    float copy never exists whole: every float weight it replaced is gone before the next layer is quantized, and
+    every stored tensor equals, bit for bit, quantizing the whole float model after loading it."""
+    import weakref
+
+    from minillm.config import ModelConfig
+    from minillm.layers import Linear
+    from minillm.model import load_model
+
+    config, cpu = ModelConfig.from_dir(tiny_any), torch.device("cpu")
+    replaced, real = [], quant.quantize_linears
+
+    def quantize_linears(layer, *args):
+        assert all(ref() is None for ref in replaced)  # the layers before: their float weights freed
+        replaced.extend(weakref.ref(m.weight) for m in layer.modules() if isinstance(m, Linear))
+        return real(layer, *args)
+
+    monkeypatch.setattr(quant, "quantize_linears", quantize_linears)
+    model = load_model(tiny_any, config, torch.float32, cpu, pack=False, quantization=(method, group_size))
+    assert len(replaced) == 4 * config.num_layers and all(ref() is None for ref in replaced)
+    assert quant.quantize_model(model, method, group_size) == ["lm_head", "embed_tokens"]
+    monkeypatch.undo()
+    whole = load_model(tiny_any, config, torch.float32, cpu, pack=False)
+    quant.quantize_model(whole, method, group_size)
+    ours, want = dict(model.named_buffers()), dict(whole.named_buffers())
+    assert ours.keys() == want.keys()
+    assert all(torch.equal(ours[k], want[k]) for k in want)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), whole.parameters(), strict=True))
+
+
+def test_quantizing_a_large_matrix_a_slice_at_a_time_equals_all_at_once():
+    """int8 rounds a large matrix (an embedding's) a slice of rows at a time: the same codes and scales as rounding
+    every row at once (each row's scale is its own)."""
+    w = torch.randn(3000, 2048, generator=torch.Generator().manual_seed(1))  # 2048 rows a slice: two slices
+    for group_size in (None, 32):
+        q, scale = quant_formats.quantize_int8(w, group_size=group_size)
+        groups = w.view(3000, -1, group_size or 2048)
+        want_scale = (groups.abs().amax(-1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        want_q = torch.round(groups / want_scale[..., None]).clamp(-127, 127).to(torch.int8).view(3000, 2048)
+        assert torch.equal(q, want_q)
+        assert torch.equal(scale, want_scale if group_size else want_scale[:, 0])

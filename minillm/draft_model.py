@@ -56,9 +56,10 @@ def load_draft_model(config: SpeculativeConfig, target: ModelConfig, target_path
                              f"{theirs.get(token)} there and {ours.get(token)} in the target's")
     if config.quantization is not None and draft.num_experts:
         raise ValueError("speculative_config quantization is not supported for a Mixture-of-Experts draft model here")
-    model = load_model(path, draft, dtype, device, load_format)
-    if config.quantization is not None:
-        quantize_model(model, config.quantization)
+    quantization = None if config.quantization is None else (config.quantization, None)
+    model = load_model(path, draft, dtype, device, load_format, pack=quantization is None, quantization=quantization)
+    if quantization is not None:
+        quantize_model(model, *quantization)
     return model, draft
 
 

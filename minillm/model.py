@@ -324,9 +324,8 @@ def _load_hf_weights(model: CausalLM, tensors, layer_loaded: Callable[[nn.Module
         return [(name, part) for name in params
                 for part in getattr(model.get_submodule(name.rpartition(".")[0]), "shard_ids", (None,))]
 
-    expected = parts() if layer_loaded is not None else None  # listed now: the layers done leave `params`
     waiting: dict[int, set] = {}  # decoder layer (local index) -> its weights not loaded yet
-    for name, part in expected or ():
+    for name, part in parts() if layer_loaded is not None else ():
         if name.startswith("layers."):
             waiting.setdefault(int(name.split(".")[1]), set()).add((name, part))
     loaded = set()
@@ -358,6 +357,6 @@ def _load_hf_weights(model: CausalLM, tensors, layer_loaded: Callable[[nn.Module
                     layer_loaded(model.layers[index])
                     for name in [n for n in params if n.startswith(f"layers.{index}.")]:
                         del params[name]  # a replaced float weight is freed only when nothing holds it
-    missing = [name for name, part in (parts() if expected is None else expected) if (name, part) not in loaded]
+    missing = [name for name, part in parts() if (name, part) not in loaded]  # a layer done left `params` whole
     if missing:
         raise ValueError(f"checkpoint is missing weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")

@@ -346,6 +346,8 @@ def quantize_model(model: nn.Module, method: str, group_size: int | None = None,
     each use), except the modules named in `keep` (qualified names, e.g. "layers.0.mlp.down_proj",
     "embed_tokens", "lm_head"), which stay in the model's dtype (mixed precision). The float weights replaced are
     freed. Returns the names quantized (a layer the loader quantized already is not among them)."""
+    from .layers import Linear
+
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization {method!r} is not supported; use one of {QUANTIZATIONS}")
     names = dict(model.named_modules())
@@ -354,12 +356,16 @@ def quantize_model(model: nn.Module, method: str, group_size: int | None = None,
         raise ValueError(f"keep names modules the model does not have: {unknown}")
     outer = embedding_method(method)
     outer_group = group_size if outer == method else None
-    replaced = quantize_linears(model, method, group_size, keep)
+    replaced = quantize_linears(model, method, group_size, keep + ("lm_head",))
     embedding = model.embed_tokens.weight
-    if model.lm_head is None and "lm_head" not in keep:  # the tied head: a product over the embedding matrix
-        model.lm_head = QuantLinear(embedding, None, outer, outer_group)
-        model.packed_head = None
-        replaced.append("lm_head")
+    if "lm_head" not in keep:
+        if model.lm_head is None:  # the tied head: a product over the embedding matrix
+            model.lm_head = QuantLinear(embedding, None, outer, outer_group)
+            model.packed_head = None
+            replaced.append("lm_head")
+        elif isinstance(model.lm_head, Linear):
+            model.lm_head = QuantLinear.from_linear(model.lm_head, outer, outer_group)
+            replaced.append("lm_head")
     if "embed_tokens" not in keep:
         model.embed_tokens = QuantEmbedding(embedding, outer, outer_group)
         replaced.append("embed_tokens")
@@ -370,19 +376,16 @@ def quantize_model(model: nn.Module, method: str, group_size: int | None = None,
 def quantize_linears(module: nn.Module, method: str, group_size: int | None = None, keep: tuple[str, ...] = ()
                      ) -> list[str]:
     """Replace every float linear layer inside `module` (qualified names not in `keep`) by a `QuantLinear` in
-    `method`, a model's head (`lm_head`) in `embedding_method(method)`; the names replaced. The loader calls it on
-    each decoder layer as soon as its weights are in, so that a whole float copy of a quantized model never exists."""
+    `method`; the names replaced. The loader calls it on each decoder layer as soon as its weights are in, so that
+    a whole float copy of a quantized model never exists."""
     from .layers import Linear
 
     replaced = []
     for name, linear in list(module.named_modules()):
         if isinstance(linear, Linear) and name not in keep:
             parent_name, _, attr = name.rpartition(".")
-            head = name == "lm_head"
-            fmt = embedding_method(method) if head else method
-            group = None if head and fmt != method else group_size
             setattr(module.get_submodule(parent_name) if parent_name else module, attr,
-                    QuantLinear.from_linear(linear, fmt, group))
+                    QuantLinear.from_linear(linear, method, group_size))
             replaced.append(name)
     return replaced
 

@@ -314,98 +314,126 @@ static void tile8_amx(const int8_t *wq, const float *ws, const Acts *a, int64_t 
 const char *quant_matmul_isa(void) { return "avx2"; }
 
 /* As the AVX512 version, each tile in two halves of 8 rows (one per 32-bit lane of a 256-bit register). The
- * 16-bit pair sums of vpmaddubsw stay below 2 * 15 * 127, so eight of them add up without overflow. */
+ * 16-bit pair sums of vpmaddubsw stay below 2 * 15 * 127, so eight of them add up without overflow. One row of x
+ * (batch-1 decode) takes both halves of each 64-byte line as it arrives, so memory streams throughout; more rows
+ * take one half at a time (their sums would not fit the 16 registers), the second from cache. Each row's sums run
+ * in the same order either way. */
 static inline __attribute__((always_inline)) void tile4(const uint8_t *wq, const uint16_t *ws, const uint16_t *wz,
                                                         const Acts *a, int64_t m0, const int mr, int64_t g,
                                                         const float *residual, float *out, int64_t n, int64_t n0,
                                                         int64_t ncols) {
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    for (int h = 0; h < 2; h++) {
-        __m256 acc[MR];
-        for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
+    const int together = mr == 1, passes = together ? 1 : 2, per_pass = together ? 2 : 1;
+    for (int pass = 0; pass < passes; pass++) {
+        __m256 acc[2][MR];
+        for (int hh = 0; hh < per_pass; hh++)
+            for (int r = 0; r < mr; r++) acc[hh][r] = _mm256_setzero_ps();
         for (int64_t gi = 0; gi < a->groups; gi++) {
             _mm_prefetch((const char *)(ws + (gi + AHEAD) * ROWS), _MM_HINT_T0);
             _mm_prefetch((const char *)(wz + (gi + AHEAD) * ROWS), _MM_HINT_T0);
-            const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ws + gi * ROWS + 8 * h)));
-            const __m256 zw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wz + gi * ROWS + 8 * h)));
-            __m256 gsum[MR];
-            for (int r = 0; r < mr; r++) gsum[r] = _mm256_set1_ps(a->corr[(m0 + r) * a->groups + gi]);
+            __m256 gsum[2][MR];
+            for (int hh = 0; hh < per_pass; hh++)
+                for (int r = 0; r < mr; r++) gsum[hh][r] = _mm256_set1_ps(a->corr[(m0 + r) * a->groups + gi]);
             for (int64_t b = gi * (g / BLOCK); b < (gi + 1) * (g / BLOCK); b++) {
-                const uint8_t *p = wq + b * 4 * 64 + 32 * h;
-                if (h == 0)
-                    for (int v = 0; v < 4; v++) _mm_prefetch((const char *)(p + AHEAD * 4 * 64 + 64 * v), _MM_HINT_T0);
-                __m256i w[8];
-                for (int v = 0; v < 4; v++) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 64 * v));
-                    w[2 * v] = _mm256_and_si256(raw, low);
-                    w[2 * v + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                }
-                for (int r = 0; r < mr; r++) {
-                    const int8_t *xr = a->q + (m0 + r) * a->k + b * BLOCK;
-                    __m256i s = _mm256_setzero_si256();
-                    for (int j = 0; j < 8; j++)
-                        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(load4(xr + 4 * j))));
-                    const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
-                    gsum[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(a->scale[(m0 + r) * a->blocks + b]), gsum[r]);
+                if (pass == 0)
+                    for (int v = 0; v < 4; v++)
+                        _mm_prefetch((const char *)(wq + b * 4 * 64 + AHEAD * 4 * 64 + 64 * v), _MM_HINT_T0);
+                for (int hh = 0; hh < per_pass; hh++) {
+                    const uint8_t *p = wq + b * 4 * 64 + 32 * (pass + hh);
+                    __m256i w[8];
+                    for (int v = 0; v < 4; v++) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 64 * v));
+                        w[2 * v] = _mm256_and_si256(raw, low);
+                        w[2 * v + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                    }
+                    for (int r = 0; r < mr; r++) {
+                        const int8_t *xr = a->q + (m0 + r) * a->k + b * BLOCK;
+                        __m256i s = _mm256_setzero_si256();
+                        for (int j = 0; j < 8; j++)
+                            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(load4(xr + 4 * j))));
+                        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+                        gsum[hh][r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(a->scale[(m0 + r) * a->blocks + b]),
+                                                      gsum[hh][r]);
+                    }
                 }
             }
-            for (int r = 0; r < mr; r++) {
-                acc[r] = _mm256_fmadd_ps(gsum[r], sw, acc[r]);
-                acc[r] = _mm256_fmadd_ps(zw, _mm256_set1_ps(a->sum[(m0 + r) * a->groups + gi]), acc[r]);
+            for (int hh = 0; hh < per_pass; hh++) {
+                const int h = pass + hh;
+                const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ws + gi * ROWS + 8 * h)));
+                const __m256 zw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wz + gi * ROWS + 8 * h)));
+                for (int r = 0; r < mr; r++) {
+                    acc[hh][r] = _mm256_fmadd_ps(gsum[hh][r], sw, acc[hh][r]);
+                    acc[hh][r] = _mm256_fmadd_ps(zw, _mm256_set1_ps(a->sum[(m0 + r) * a->groups + gi]), acc[hh][r]);
+                }
             }
         }
-        for (int r = 0; r < mr; r++) {
-            float y[8];
-            _mm256_storeu_ps(y, acc[r]);
-            for (int64_t j = 8 * h; j < ncols && j < 8 * h + 8; j++) {
-                const int64_t at = (m0 + r) * n + n0 + j;
-                out[at] = y[j - 8 * h] + (residual ? residual[at] : 0.0f);
+        for (int hh = 0; hh < per_pass; hh++) {
+            const int h = pass + hh;
+            for (int r = 0; r < mr; r++) {
+                float y[8];
+                _mm256_storeu_ps(y, acc[hh][r]);
+                for (int64_t j = 8 * h; j < ncols && j < 8 * h + 8; j++) {
+                    const int64_t at = (m0 + r) * n + n0 + j;
+                    out[at] = y[j - 8 * h] + (residual ? residual[at] : 0.0f);
+                }
             }
         }
     }
 }
 
-/* The int8 tile in two halves of 8 rows. vpmaddubsw's pairs of 255 * 127 would saturate 16 bits, so it takes
- * |q| (unsigned) against x's codes carrying q's sign: pairs of at most 2 * 128 * 127, each widened at once. */
+/* The int8 tile in two halves of 8 rows, both per line for one row of x, as tile4. vpmaddubsw's pairs of
+ * 255 * 127 would saturate 16 bits, so it takes |q| (unsigned) against x's codes carrying q's sign: pairs of at
+ * most 2 * 128 * 127, each widened at once. */
 static inline __attribute__((always_inline)) void tile8(const int8_t *wq, const float *ws, const Acts *a, int64_t m0,
                                                         const int mr, int64_t g, const float *residual, float *out,
                                                         int64_t n, int64_t n0, int64_t ncols) {
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int h = 0; h < 2; h++) {
-        __m256 acc[MR];
-        for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
+    const int together = mr == 1, passes = together ? 1 : 2, per_pass = together ? 2 : 1;
+    for (int pass = 0; pass < passes; pass++) {
+        __m256 acc[2][MR];
+        for (int hh = 0; hh < per_pass; hh++)
+            for (int r = 0; r < mr; r++) acc[hh][r] = _mm256_setzero_ps();
         for (int64_t gi = 0; gi < a->groups; gi++) {
-            __m256 gsum[MR];
-            for (int r = 0; r < mr; r++) gsum[r] = _mm256_setzero_ps();
+            __m256 gsum[2][MR];
+            for (int hh = 0; hh < per_pass; hh++)
+                for (int r = 0; r < mr; r++) gsum[hh][r] = _mm256_setzero_ps();
             for (int64_t b = gi * (g / BLOCK); b < (gi + 1) * (g / BLOCK); b++) {
-                const int8_t *p = wq + b * 8 * 64 + 32 * h;
-                if (h == 0)
-                    for (int v = 0; v < 8; v++) _mm_prefetch((const char *)(p + AHEAD8 * 8 * 64 + 64 * v), _MM_HINT_T0);
-                __m256i w[8], size[8];
-                for (int v = 0; v < 8; v++) {
-                    w[v] = _mm256_loadu_si256((const __m256i *)(p + 64 * v));
-                    size[v] = _mm256_abs_epi8(w[v]);
-                }
-                for (int r = 0; r < mr; r++) {
-                    const int8_t *xr = a->q + (m0 + r) * a->k + b * BLOCK;
-                    __m256i s = _mm256_setzero_si256();
-                    for (int j = 0; j < 8; j++) {
-                        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load4(xr + 4 * j)), w[j]);
-                        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(size[j], xs), ones));
+                if (pass == 0)
+                    for (int v = 0; v < 8; v++)
+                        _mm_prefetch((const char *)(wq + b * 8 * 64 + AHEAD8 * 8 * 64 + 64 * v), _MM_HINT_T0);
+                for (int hh = 0; hh < per_pass; hh++) {
+                    const int8_t *p = wq + b * 8 * 64 + 32 * (pass + hh);
+                    __m256i w[8], size[8];
+                    for (int v = 0; v < 8; v++) {
+                        w[v] = _mm256_loadu_si256((const __m256i *)(p + 64 * v));
+                        size[v] = _mm256_abs_epi8(w[v]);
                     }
-                    gsum[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
-                                              _mm256_set1_ps(a->scale[(m0 + r) * a->blocks + b]), gsum[r]);
+                    for (int r = 0; r < mr; r++) {
+                        const int8_t *xr = a->q + (m0 + r) * a->k + b * BLOCK;
+                        __m256i s = _mm256_setzero_si256();
+                        for (int j = 0; j < 8; j++) {
+                            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load4(xr + 4 * j)), w[j]);
+                            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(size[j], xs), ones));
+                        }
+                        gsum[hh][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
+                                                      _mm256_set1_ps(a->scale[(m0 + r) * a->blocks + b]), gsum[hh][r]);
+                    }
                 }
             }
-            const __m256 sw = _mm256_loadu_ps(ws + gi * ROWS + 8 * h);
-            for (int r = 0; r < mr; r++) acc[r] = _mm256_fmadd_ps(gsum[r], sw, acc[r]);
+            for (int hh = 0; hh < per_pass; hh++) {
+                const __m256 sw = _mm256_loadu_ps(ws + gi * ROWS + 8 * (pass + hh));
+                for (int r = 0; r < mr; r++) acc[hh][r] = _mm256_fmadd_ps(gsum[hh][r], sw, acc[hh][r]);
+            }
         }
-        for (int r = 0; r < mr; r++) {
-            float y[8];
-            _mm256_storeu_ps(y, acc[r]);
-            for (int64_t j = 8 * h; j < ncols && j < 8 * h + 8; j++) {
-                const int64_t at = (m0 + r) * n + n0 + j;
-                out[at] = y[j - 8 * h] + (residual ? residual[at] : 0.0f);
+        for (int hh = 0; hh < per_pass; hh++) {
+            const int h = pass + hh;
+            for (int r = 0; r < mr; r++) {
+                float y[8];
+                _mm256_storeu_ps(y, acc[hh][r]);
+                for (int64_t j = 8 * h; j < ncols && j < 8 * h + 8; j++) {
+                    const int64_t at = (m0 + r) * n + n0 + j;
+                    out[at] = y[j - 8 * h] + (residual ? residual[at] : 0.0f);
+                }
             }
         }
     }

@@ -313,6 +313,24 @@ static void tile8_amx(const int8_t *wq, const float *ws, const Acts *a, int64_t 
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 const char *quant_matmul_isa(void) { return "avx2"; }
 
+/* A tile's output rows m0 .. m0 + mr from the sums of the halves a pass took (`per_pass` of them from half
+ * `pass`), plus the residual where given, ncols columns. */
+static inline __attribute__((always_inline)) void store_halves(__m256 acc[][MR], int pass, int per_pass, int mr,
+                                                               int64_t m0, const float *residual, float *out,
+                                                               int64_t n, int64_t n0, int64_t ncols) {
+    for (int hh = 0; hh < per_pass; hh++) {
+        const int h = pass + hh;
+        for (int r = 0; r < mr; r++) {
+            float y[8];
+            _mm256_storeu_ps(y, acc[hh][r]);
+            for (int64_t j = 8 * h; j < ncols && j < 8 * h + 8; j++) {
+                const int64_t at = (m0 + r) * n + n0 + j;
+                out[at] = y[j - 8 * h] + (residual ? residual[at] : 0.0f);
+            }
+        }
+    }
+}
+
 /* As the AVX512 version, each tile in two halves of 8 rows (one per 32-bit lane of a 256-bit register). The
  * 16-bit pair sums of vpmaddubsw stay below 2 * 15 * 127, so eight of them add up without overflow. One row of x
  * (batch-1 decode) takes both halves of each 64-byte line as it arrives, so memory streams throughout; more rows
@@ -367,17 +385,7 @@ static inline __attribute__((always_inline)) void tile4(const uint8_t *wq, const
                 }
             }
         }
-        for (int hh = 0; hh < per_pass; hh++) {
-            const int h = pass + hh;
-            for (int r = 0; r < mr; r++) {
-                float y[8];
-                _mm256_storeu_ps(y, acc[hh][r]);
-                for (int64_t j = 8 * h; j < ncols && j < 8 * h + 8; j++) {
-                    const int64_t at = (m0 + r) * n + n0 + j;
-                    out[at] = y[j - 8 * h] + (residual ? residual[at] : 0.0f);
-                }
-            }
-        }
+        store_halves(acc, pass, per_pass, mr, m0, residual, out, n, n0, ncols);
     }
 }
 
@@ -425,17 +433,7 @@ static inline __attribute__((always_inline)) void tile8(const int8_t *wq, const 
                 for (int r = 0; r < mr; r++) acc[hh][r] = _mm256_fmadd_ps(gsum[hh][r], sw, acc[hh][r]);
             }
         }
-        for (int hh = 0; hh < per_pass; hh++) {
-            const int h = pass + hh;
-            for (int r = 0; r < mr; r++) {
-                float y[8];
-                _mm256_storeu_ps(y, acc[hh][r]);
-                for (int64_t j = 8 * h; j < ncols && j < 8 * h + 8; j++) {
-                    const int64_t at = (m0 + r) * n + n0 + j;
-                    out[at] = y[j - 8 * h] + (residual ? residual[at] : 0.0f);
-                }
-            }
-        }
+        store_halves(acc, pass, per_pass, mr, m0, residual, out, n, n0, ncols);
     }
 }
 

@@ -174,14 +174,15 @@ def test_int8_peak_counts_real_multiply_adds():
     threads, iters, sink = torch.get_num_threads(), 100, ctypes.c_int32(0)
     macs = lib.int8_macs(iters, ctypes.byref(sink))
     # thread t's chains c start every 32-bit lane at c and add, each round, the products of 3s and (t + 1)s: 4 of
-    # them a lane (vpdpbusd: 16 lanes, 12 chains) or, with AVX2, 4 (c + 1) (t + 1) (8 lanes, 6 chains)
+    # them a lane (vpdpbusd: 16 lanes, 12 chains) or, with AVX2, 4 (c + 1) (t + 1) (8 lanes, 4 chains, each
+    # "round" of iters eight rounds of products)
     tsum = threads * (threads + 1) // 2
     if isa == "avx512vnni":
         assert macs == threads * iters * 12 * 64
         assert sink.value == threads * 16 * 66 + 16 * 12 * 12 * iters * tsum
     else:
-        assert macs == threads * iters * 6 * 32
-        assert sink.value == threads * 8 * 15 + 8 * 4 * 21 * iters * tsum
+        assert macs == threads * iters * 8 * 4 * 32
+        assert sink.value == threads * 8 * 6 + 8 * 4 * 10 * 8 * iters * tsum
     assert rl.measure_int8_peak(seconds=0.02, amx=False) > 1e9
     sink.value = 0
     if lib.int8_macs_amx(iters, ctypes.byref(sink)) == 0:

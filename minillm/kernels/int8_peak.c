@@ -1,10 +1,12 @@
 /* Chapter 6 — the CPU's rate of 8-bit multiply-adds with the instructions of minillm's int4/int8 kernel
- * (int4_matmul.c): AVX512-VNNI's vpdpbusd (64 a 512-bit instruction), or AVX2's vpmaddubsw + vpmaddwd (32 a
- * pair); and, where the kernel uses AMX, its tile product tdpbssd in the kernel's shapes (int8_macs_amx). Each
- * OpenMP thread runs `iters` rounds of independent accumulators (enough to hide the instructions' latency) with nothing loaded from memory: the arithmetic's ceiling, against which a batched product's time is
- * read (minillm.roofline.measure_int8_peak). Compiled like the kernels, for this CPU. Returns the multiply-adds
- * done by all threads together (0 where the CPU has neither instruction set); `sink` gets the sum of every
- * accumulator, so the work cannot be optimized away (and a test can check it). */
+ * (int4_matmul.c): AVX512-VNNI's vpdpbusd (64 a 512-bit instruction), or AVX2's vpmaddubsw (32, into 16-bit sums
+ * that one vpmaddwd widens every 8, as the int4 kernel does); and, where the kernel uses AMX, its tile product
+ * tdpbssd in the kernel's shapes (int8_macs_amx). Each OpenMP thread runs `iters` rounds (of eight vpmaddubsw with
+ * AVX2) of independent accumulators (enough to hide the instructions' latency) with nothing loaded from memory: the
+ * arithmetic's ceiling, against which a batched product's time is read (minillm.roofline.measure_int8_peak).
+ * Compiled like the kernels, for this CPU. Returns the multiply-adds done by all threads together (0 where the CPU
+ * has neither instruction set); `sink` gets the sum of every accumulator, so the work cannot be optimized away (and
+ * a test can check it). */
 #include <omp.h>
 #include <stdint.h>
 #if defined(__AVX512VNNI__) || defined(__AVX2__)
@@ -31,22 +33,28 @@ double int8_macs(int64_t iters, int32_t *sink) {
         for (int c = 0; c < CHAINS; c++) s += _mm512_reduce_add_epi32(acc[c]);
         total += (double)iters * CHAINS * 64;
 #elif defined(__AVX2__)
-        /* 16 registers: 6 chains, each with its own operand, which the empty asm marks as changed every round so
-         * that its products are computed again rather than hoisted (the register is not touched) */
-        __m256i a[6], acc[6];
+        /* The int4 kernel's mix: vpmaddubsw into 16-bit sums (vpaddw), widened by one vpmaddwd every 8 rounds, as
+         * the kernel widens once a block. 4 chains, each with its own operand, which the empty asm marks as changed
+         * every round so that its products are computed again rather than hoisted; rounds run in eights. */
+        __m256i a[4], acc[4];
         const __m256i b = _mm256_set1_epi8((char)(omp_get_thread_num() + 1)), ones = _mm256_set1_epi16(1);
-        for (int c = 0; c < 6; c++) a[c] = _mm256_set1_epi8((char)(c + 1)), acc[c] = _mm256_set1_epi32(c);
+        for (int c = 0; c < 4; c++) a[c] = _mm256_set1_epi8((char)(c + 1)), acc[c] = _mm256_set1_epi32(c);
         for (int64_t i = 0; i < iters; i++) {
-            __asm__ volatile("" : "+x"(a[0]), "+x"(a[1]), "+x"(a[2]), "+x"(a[3]), "+x"(a[4]), "+x"(a[5]));
-            for (int c = 0; c < 6; c++)
-                acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(_mm256_maddubs_epi16(a[c], b), ones));
+            __m256i pairs[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                                _mm256_setzero_si256()};
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) { /* pairs of at most 2 * 4 * 2 a round: 8 rounds stay in 16 bits */
+                __asm__ volatile("" : "+x"(a[0]), "+x"(a[1]), "+x"(a[2]), "+x"(a[3]));
+                for (int c = 0; c < 4; c++) pairs[c] = _mm256_add_epi16(pairs[c], _mm256_maddubs_epi16(a[c], b));
+            }
+            for (int c = 0; c < 4; c++) acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(pairs[c], ones));
         }
-        for (int c = 0; c < 6; c++) {
+        for (int c = 0; c < 4; c++) {
             int32_t lanes[8];
             _mm256_storeu_si256((__m256i *)lanes, acc[c]);
             for (int j = 0; j < 8; j++) s += lanes[j];
         }
-        total += (double)iters * 6 * 32;
+        total += (double)iters * 8 * 4 * 32;
 #else
         (void)iters;
 #endif

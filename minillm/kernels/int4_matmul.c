@@ -313,128 +313,132 @@ static void tile8_amx(const int8_t *wq, const float *ws, const Acts *a, int64_t 
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 const char *quant_matmul_isa(void) { return "avx2"; }
 
-/* A tile's output rows m0 .. m0 + mr from the sums of the halves a pass took (`per_pass` of them from half
- * `pass`), plus the residual where given, ncols columns. */
-static inline __attribute__((always_inline)) void store_halves(__m256 acc[][MR], int pass, int per_pass, int mr,
-                                                               int64_t m0, const float *residual, float *out,
-                                                               int64_t n, int64_t n0, int64_t ncols) {
-    for (int hh = 0; hh < per_pass; hh++) {
-        const int h = pass + hh;
+/* A tile's output rows m0 .. m0 + mr from the sums of its two halves, plus the residual where given, ncols
+ * columns. */
+static inline __attribute__((always_inline)) void store_halves(__m256 acc[2][MR], int mr, int64_t m0,
+                                                               const float *residual, float *out, int64_t n,
+                                                               int64_t n0, int64_t ncols) {
+    for (int h = 0; h < 2; h++)
         for (int r = 0; r < mr; r++) {
             float y[8];
-            _mm256_storeu_ps(y, acc[hh][r]);
+            _mm256_storeu_ps(y, acc[h][r]);
             for (int64_t j = 8 * h; j < ncols && j < 8 * h + 8; j++) {
                 const int64_t at = (m0 + r) * n + n0 + j;
                 out[at] = y[j - 8 * h] + (residual ? residual[at] : 0.0f);
             }
         }
-    }
 }
 
-/* As the AVX512 version, each tile in two halves of 8 rows (one per 32-bit lane of a 256-bit register). The
- * 16-bit pair sums of vpmaddubsw stay below 2 * 15 * 127, so eight of them add up without overflow. One row of x
- * (batch-1 decode) takes both halves of each 64-byte line as it arrives, so memory streams throughout; more rows
- * take one half at a time (their sums would not fit the 16 registers), the second from cache. Each row's sums run
- * in the same order either way. */
+/* Keeps an integer sum in a register and its additions in the order written: left to itself, GCC regroups the
+ * additions, computing a block's products first and parking them on the stack, which made the tiles half as fast
+ * with several rows of x. */
+#define IN_ORDER(v) __asm__("" : "+x"(v))
+
+/* As the AVX512 version, each tile in two halves of 8 rows (one per 32-bit lane of a 256-bit register), taken
+ * together from each 64-byte line as it arrives, so memory streams throughout; each row of x's two broadcast codes
+ * serve both halves. The 16-bit pair sums of vpmaddubsw stay below 2 * 15 * 127, so eight of them add up without
+ * overflow. */
 static inline __attribute__((always_inline)) void tile4(const uint8_t *wq, const uint16_t *ws, const uint16_t *wz,
                                                         const Acts *a, int64_t m0, const int mr, int64_t g,
                                                         const float *residual, float *out, int64_t n, int64_t n0,
                                                         int64_t ncols) {
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const int together = mr == 1, passes = together ? 1 : 2, per_pass = together ? 2 : 1;
-    for (int pass = 0; pass < passes; pass++) {
-        __m256 acc[2][MR];
-        for (int hh = 0; hh < per_pass; hh++)
-            for (int r = 0; r < mr; r++) acc[hh][r] = _mm256_setzero_ps();
-        for (int64_t gi = 0; gi < a->groups; gi++) {
-            _mm_prefetch((const char *)(ws + (gi + AHEAD) * ROWS), _MM_HINT_T0);
-            _mm_prefetch((const char *)(wz + (gi + AHEAD) * ROWS), _MM_HINT_T0);
-            __m256 gsum[2][MR];
-            for (int hh = 0; hh < per_pass; hh++)
-                for (int r = 0; r < mr; r++) gsum[hh][r] = _mm256_set1_ps(a->corr[(m0 + r) * a->groups + gi]);
-            for (int64_t b = gi * (g / BLOCK); b < (gi + 1) * (g / BLOCK); b++) {
-                if (pass == 0)
-                    for (int v = 0; v < 4; v++)
-                        _mm_prefetch((const char *)(wq + b * 4 * 64 + AHEAD * 4 * 64 + 64 * v), _MM_HINT_T0);
-                for (int hh = 0; hh < per_pass; hh++) {
-                    const uint8_t *p = wq + b * 4 * 64 + 32 * (pass + hh);
-                    __m256i w[8];
-                    for (int v = 0; v < 4; v++) {
-                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 64 * v));
-                        w[2 * v] = _mm256_and_si256(raw, low);
-                        w[2 * v + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                    }
-                    for (int r = 0; r < mr; r++) {
-                        const int8_t *xr = a->q + (m0 + r) * a->k + b * BLOCK;
-                        __m256i s = _mm256_setzero_si256();
-                        for (int j = 0; j < 8; j++)
-                            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(load4(xr + 4 * j))));
-                        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
-                        gsum[hh][r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(a->scale[(m0 + r) * a->blocks + b]),
-                                                      gsum[hh][r]);
+    __m256 acc[2][MR];
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < mr; r++) acc[h][r] = _mm256_setzero_ps();
+    for (int64_t gi = 0; gi < a->groups; gi++) {
+        _mm_prefetch((const char *)(ws + (gi + AHEAD) * ROWS), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wz + (gi + AHEAD) * ROWS), _MM_HINT_T0);
+        __m256 gsum[2][MR];
+        for (int h = 0; h < 2; h++)
+            for (int r = 0; r < mr; r++) gsum[h][r] = _mm256_set1_ps(a->corr[(m0 + r) * a->groups + gi]);
+        for (int64_t b = gi * (g / BLOCK); b < (gi + 1) * (g / BLOCK); b++) {
+            for (int v = 0; v < 4; v++)
+                _mm_prefetch((const char *)(wq + b * 4 * 64 + AHEAD * 4 * 64 + 64 * v), _MM_HINT_T0);
+            __m256i s[2][MR];
+            for (int h = 0; h < 2; h++)
+                for (int r = 0; r < mr; r++) s[h][r] = _mm256_setzero_si256();
+            for (int v = 0; v < 4; v++) { /* line v: codes of inputs 8v .. 8v + 3 (low nibbles), 8v + 4 .. 8v + 7 */
+                __m256i w[2][2];
+                for (int h = 0; h < 2; h++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(wq + b * 4 * 64 + 64 * v + 32 * h));
+                    w[h][0] = _mm256_and_si256(raw, low);
+                    w[h][1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                }
+                for (int r = 0; r < mr; r++) {
+                    const int8_t *xr = a->q + (m0 + r) * a->k + b * BLOCK + 8 * v;
+                    const __m256i xl = _mm256_set1_epi32(load4(xr)), xh = _mm256_set1_epi32(load4(xr + 4));
+                    for (int h = 0; h < 2; h++) {
+                        s[h][r] = _mm256_add_epi16(s[h][r], _mm256_maddubs_epi16(w[h][0], xl));
+                        s[h][r] = _mm256_add_epi16(s[h][r], _mm256_maddubs_epi16(w[h][1], xh));
+                        IN_ORDER(s[h][r]);
                     }
                 }
             }
-            for (int hh = 0; hh < per_pass; hh++) {
-                const int h = pass + hh;
-                const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ws + gi * ROWS + 8 * h)));
-                const __m256 zw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wz + gi * ROWS + 8 * h)));
+            for (int h = 0; h < 2; h++)
                 for (int r = 0; r < mr; r++) {
-                    acc[hh][r] = _mm256_fmadd_ps(gsum[hh][r], sw, acc[hh][r]);
-                    acc[hh][r] = _mm256_fmadd_ps(zw, _mm256_set1_ps(a->sum[(m0 + r) * a->groups + gi]), acc[hh][r]);
+                    const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[h][r], ones));
+                    gsum[h][r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(a->scale[(m0 + r) * a->blocks + b]), gsum[h][r]);
                 }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ws + gi * ROWS + 8 * h)));
+            const __m256 zw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wz + gi * ROWS + 8 * h)));
+            for (int r = 0; r < mr; r++) {
+                acc[h][r] = _mm256_fmadd_ps(gsum[h][r], sw, acc[h][r]);
+                acc[h][r] = _mm256_fmadd_ps(zw, _mm256_set1_ps(a->sum[(m0 + r) * a->groups + gi]), acc[h][r]);
             }
         }
-        store_halves(acc, pass, per_pass, mr, m0, residual, out, n, n0, ncols);
     }
+    store_halves(acc, mr, m0, residual, out, n, n0, ncols);
 }
 
-/* The int8 tile in two halves of 8 rows, both per line for one row of x, as tile4. vpmaddubsw's pairs of
- * 255 * 127 would saturate 16 bits, so it takes |q| (unsigned) against x's codes carrying q's sign: pairs of at
- * most 2 * 128 * 127, each widened at once. */
+/* The int8 tile in two halves of 8 rows, both per line, as tile4. vpmaddubsw's pairs of 255 * 127 would saturate
+ * 16 bits, so it takes |q| (unsigned) against x's codes carrying q's sign: pairs of at most 2 * 128 * 127, each
+ * widened at once. */
 static inline __attribute__((always_inline)) void tile8(const int8_t *wq, const float *ws, const Acts *a, int64_t m0,
                                                         const int mr, int64_t g, const float *residual, float *out,
                                                         int64_t n, int64_t n0, int64_t ncols) {
     const __m256i ones = _mm256_set1_epi16(1);
-    const int together = mr == 1, passes = together ? 1 : 2, per_pass = together ? 2 : 1;
-    for (int pass = 0; pass < passes; pass++) {
-        __m256 acc[2][MR];
-        for (int hh = 0; hh < per_pass; hh++)
-            for (int r = 0; r < mr; r++) acc[hh][r] = _mm256_setzero_ps();
-        for (int64_t gi = 0; gi < a->groups; gi++) {
-            __m256 gsum[2][MR];
-            for (int hh = 0; hh < per_pass; hh++)
-                for (int r = 0; r < mr; r++) gsum[hh][r] = _mm256_setzero_ps();
-            for (int64_t b = gi * (g / BLOCK); b < (gi + 1) * (g / BLOCK); b++) {
-                if (pass == 0)
-                    for (int v = 0; v < 8; v++)
-                        _mm_prefetch((const char *)(wq + b * 8 * 64 + AHEAD8 * 8 * 64 + 64 * v), _MM_HINT_T0);
-                for (int hh = 0; hh < per_pass; hh++) {
-                    const int8_t *p = wq + b * 8 * 64 + 32 * (pass + hh);
-                    __m256i w[8], size[8];
-                    for (int v = 0; v < 8; v++) {
-                        w[v] = _mm256_loadu_si256((const __m256i *)(p + 64 * v));
-                        size[v] = _mm256_abs_epi8(w[v]);
-                    }
-                    for (int r = 0; r < mr; r++) {
-                        const int8_t *xr = a->q + (m0 + r) * a->k + b * BLOCK;
-                        __m256i s = _mm256_setzero_si256();
-                        for (int j = 0; j < 8; j++) {
-                            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load4(xr + 4 * j)), w[j]);
-                            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(size[j], xs), ones));
-                        }
-                        gsum[hh][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
-                                                      _mm256_set1_ps(a->scale[(m0 + r) * a->blocks + b]), gsum[hh][r]);
+    __m256 acc[2][MR];
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < mr; r++) acc[h][r] = _mm256_setzero_ps();
+    for (int64_t gi = 0; gi < a->groups; gi++) {
+        __m256 gsum[2][MR];
+        for (int h = 0; h < 2; h++)
+            for (int r = 0; r < mr; r++) gsum[h][r] = _mm256_setzero_ps();
+        for (int64_t b = gi * (g / BLOCK); b < (gi + 1) * (g / BLOCK); b++) {
+            for (int v = 0; v < 8; v++)
+                _mm_prefetch((const char *)(wq + b * 8 * 64 + AHEAD8 * 8 * 64 + 64 * v), _MM_HINT_T0);
+            __m256i s[2][MR];
+            for (int h = 0; h < 2; h++)
+                for (int r = 0; r < mr; r++) s[h][r] = _mm256_setzero_si256();
+            for (int v = 0; v < 8; v++) { /* line v: codes of inputs 4v .. 4v + 3 */
+                __m256i w[2], size[2];
+                for (int h = 0; h < 2; h++) {
+                    w[h] = _mm256_loadu_si256((const __m256i *)(wq + b * 8 * 64 + 64 * v + 32 * h));
+                    size[h] = _mm256_abs_epi8(w[h]);
+                }
+                for (int r = 0; r < mr; r++) {
+                    const __m256i x = _mm256_set1_epi32(load4(a->q + (m0 + r) * a->k + b * BLOCK + 4 * v));
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i pairs = _mm256_maddubs_epi16(size[h], _mm256_sign_epi8(x, w[h]));
+                        s[h][r] = _mm256_add_epi32(s[h][r], _mm256_madd_epi16(pairs, ones));
+                        IN_ORDER(s[h][r]);
                     }
                 }
             }
-            for (int hh = 0; hh < per_pass; hh++) {
-                const __m256 sw = _mm256_loadu_ps(ws + gi * ROWS + 8 * (pass + hh));
-                for (int r = 0; r < mr; r++) acc[hh][r] = _mm256_fmadd_ps(gsum[hh][r], sw, acc[hh][r]);
-            }
+            for (int h = 0; h < 2; h++)
+                for (int r = 0; r < mr; r++)
+                    gsum[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[h][r]),
+                                                 _mm256_set1_ps(a->scale[(m0 + r) * a->blocks + b]), gsum[h][r]);
         }
-        store_halves(acc, pass, per_pass, mr, m0, residual, out, n, n0, ncols);
+        for (int h = 0; h < 2; h++) {
+            const __m256 sw = _mm256_loadu_ps(ws + gi * ROWS + 8 * h);
+            for (int r = 0; r < mr; r++) acc[h][r] = _mm256_fmadd_ps(gsum[h][r], sw, acc[h][r]);
+        }
     }
+    store_halves(acc, mr, m0, residual, out, n, n0, ncols);
 }
 
 #else

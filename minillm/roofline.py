@@ -320,15 +320,21 @@ def step_weight_bytes(model) -> int:
     return sum(m.nbytes if hasattr(m, "nbytes") else m.weight.nbytes for m in decode_linears(model) + [head])
 
 
+def start_request(engine, prompt_ids: list[int], tokens: int) -> None:
+    """Add to `engine` (an `LLMEngine`) a request for `tokens` tokens after its first, and step it through its
+    prefill (which samples that first token): its next `tokens` steps, alone, are batch-1 decode steps."""
+    from .sampling import SamplingParams
+
+    engine.add_request(None, prompt_ids, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
+    engine.step()
+
+
 def engine_and_bare(engine, prompt_ids: list[int], tokens: int, bare: Callable[[], None]
                     ) -> tuple[list[float], list[float]]:
     """Seconds of each batch-1 decode step of `engine` (an `LLMEngine`) over `tokens` new tokens, each step
     followed at once by one call of `bare` (e.g. `matvec_step`), so both see the same machine (load, clocks)."""
-    from .sampling import SamplingParams
-
-    engine.add_request(None, prompt_ids, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
-    engine.step()  # prefill, and the first token
-    return paired_steps(engine, bare, tokens)  # the request's last `tokens` steps
+    start_request(engine, prompt_ids, tokens)
+    return paired_steps(engine, bare, tokens)
 
 
 def running_kv_bytes(engine) -> float:

@@ -1,5 +1,6 @@
 """What the benchmarks share: the option that sets the engine's PyTorch threads, and the header a kept result
-carries (the day, the CPU, its cores), so that a recorded figure can be read beside the machine that printed it."""
+carries (the day, the CPU, its vector instructions, its cores), so that a recorded figure can be read beside the
+machine that printed it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import os
 import time
 from pathlib import Path
+
+import torch
 
 from minillm import threads
 from minillm.workload import cpu_model
@@ -26,6 +29,8 @@ def use_threads(args: argparse.Namespace) -> None:
 
 
 def save_json(path: str | Path, **fields) -> None:
-    """`fields` as JSON at `path`, after the day, the CPU's model and its core count."""
-    record = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(), "cpus": os.cpu_count(), **fields}
+    """`fields` as JSON at `path`, after the day, the CPU's model, its widest vector instructions as PyTorch sees
+    them (one model name can cover CPUs with and without AVX-512) and its core count."""
+    record = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(),
+              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpus": os.cpu_count(), **fields}
     Path(path).write_text(json.dumps(record, indent=1) + "\n")

@@ -330,8 +330,8 @@ static inline __attribute__((always_inline)) void store_halves(__m256 acc[2][MR]
 }
 
 /* Keeps an integer sum in a register and its additions in the order written: left to itself, GCC regroups the
- * additions, computing a block's products first and parking them on the stack, which made the tiles half as fast
- * with several rows of x. */
+ * additions, computing a block's products first and parking them on the stack, which cost the tiles a fifth to a
+ * quarter of their speed with several rows of x. */
 #define IN_ORDER(v) __asm__("" : "+x"(v))
 
 /* As the AVX512 version, each tile in two halves of 8 rows (one per 32-bit lane of a 256-bit register), taken

@@ -114,6 +114,7 @@ class ModelRunner:
             indices = torch.tensor(rows, dtype=torch.long, device=self.device)
         return MicroBatch(ids, positions, meta, indices)
 
+    @torch.inference_mode()  # sampling too: with autograd on, greedy's argmax left its C loop (`runs_in_c`)
     def run(self, step: SchedulerOutput) -> list[SeqResult]:
         """One forward pass; a next token for every sequence whose whole context is now computed.
 

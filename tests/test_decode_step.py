@@ -78,6 +78,24 @@ def test_fused_step_writes_the_cache_the_modules_write(tiny_llama, kv):
     assert all(torch.equal(a, b) for a, b in zip(*pools))
 
 
+@pytest.mark.parametrize("threads,kv", [(2, "auto"), (3, "int8"), (5, "auto")])
+def test_one_sequence_s_heads_split_over_threads_change_no_bit(tiny_llama, threads, kv):
+    """With fewer sequences than threads the fused step splits each sequence's attention by KV heads (the tiny
+    model has 2: two parts at 2 threads or more, a thread left idle at 3 and 5); the tokens and every decode step's
+    output stay those of the modules, which attend to all heads in one call."""
+    before = torch.get_num_threads()
+    llm = LLM(tiny_llama, device="cpu", dtype=torch.float32, num_kv_blocks=64, block_size=4,
+              enable_prefix_caching=False, quantization="int4", quantization_group_size=32, kv_cache_dtype=kv)
+    torch.set_num_threads(threads)
+    try:
+        ids, fused = decode_outputs(llm, PROMPTS[:1], 6, True)
+        ref_ids, modules = decode_outputs(llm, PROMPTS[:1], 6, False)
+    finally:
+        torch.set_num_threads(before)
+    assert ids == ref_ids and len(fused) == len(modules) == 5
+    assert all(torch.equal(a, b) for a, b in zip(fused, modules))
+
+
 @pytest.mark.parametrize("method", ["int4", "int8"])
 def test_amx_changes_no_bit_of_a_batched_step(tiny_llama, method):
     """18 sequences decoding together: with AMX (where there is one) the fused step's products take the first 16

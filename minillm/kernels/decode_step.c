@@ -10,7 +10,8 @@
  *            int8 with a float32 scale per vector (one token, one KV head), [blocks, block_size, kv_heads] each
  *   x        [m, hidden] float32, the embeddings on entry and the last layer's output on return (in place)
  * One OpenMP team runs the whole step: its threads split each product's tiles of output rows (every weight byte is
- * read once), the rows of x and the sequences of attention, with a barrier between phases. Built by
+ * read once), the rows of x and the sequences of attention (with fewer sequences than threads, their KV heads),
+ * with a barrier between phases. Built by
  * minillm/kernels/decode_step.py from this file and the two kernels it includes, compiled together so that the
  * kernels' inner functions inline here as they do in their own libraries. */
 #include "int4_matmul.c"
@@ -52,6 +53,8 @@ void decode_step_f32(const Model *md, float *x, int64_t m, const int64_t *positi
 #pragma omp parallel
     {
         const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+        /* Fewer sequences than threads (batch 1): each sequence's attention split by KV heads over the team. */
+        const int64_t share = (threads + m - 1) / m, parts = m >= threads ? 1 : share < kv_heads ? share : kv_heads;
         for (int64_t l = 0; l < md->num_layers; l++) {
             const Layer *L = md->layers + l;
             for (int64_t i = id; i < m; i += threads) { /* input RMSNorm, rounded to int8 for the qkv product */
@@ -70,19 +73,25 @@ void decode_step_f32(const Model *md, float *x, int64_t m, const int64_t *positi
             }
 #pragma omp barrier
 #pragma omp for schedule(dynamic)
-            for (int64_t i = 0; i < m; i++) { /* attention, a sequence at a time; then its output rounded to int8 */
+            for (int64_t item = 0; item < m * parts; item++) { /* attention: a sequence, or part of its KV heads */
+                const int64_t i = item / parts, kv0 = kv_heads * (item % parts) / parts,
+                              kv1 = kv_heads * (item % parts + 1) / parts;
                 float *scores = malloc(sizeof(float) * heads * context_lens[i]);
                 if (L->k_scale == NULL)
                     decode_seq_f32(qkv + i * qkv_width, L->k_cache, L->v_cache, block_tables + i * max_blocks,
                                    context_lens[i], att + i * q_width, scores, heads, kv_heads, d, md->block_size,
-                                   md->scale);
+                                   md->scale, kv0, kv1);
                 else
                     decode_seq_i8(qkv + i * qkv_width, L->k_cache, L->v_cache, L->k_scale, L->v_scale,
                                   block_tables + i * max_blocks, context_lens[i], att + i * q_width, scores, heads,
-                                  kv_heads, d, md->block_size, md->scale);
+                                  kv_heads, d, md->block_size, md->scale, kv0, kv1);
                 free(scores);
-                quantize_row(&to_o, att + i * q_width, i, L->o.g);
+                if (parts == 1) quantize_row(&to_o, att + i * q_width, i, L->o.g); /* its output, to int8 */
             } /* (an omp for ends in a barrier) */
+            if (parts > 1) { /* (the same in every thread) */
+                for (int64_t i = id; i < m; i += threads) quantize_row(&to_o, att + i * q_width, i, L->o.g);
+#pragma omp barrier
+            }
             products(&L->o, &to_o, x, x, m, id, threads); /* the skip connection added in the product */
 #pragma omp barrier
             for (int64_t i = id; i < m; i += threads) {

@@ -6,7 +6,8 @@
  *   k_cache, v_cache [blocks, block_size, kv_heads, dim]
  *   block_tables [seqs, max_blocks] (int32)   context_lens [seqs] (int32)
  * Every query head of a sequence is handled in the same pass, so each key and value row is read from
- * memory once per sequence, not once per query head. paged_decode_i8 reads an int8 pool instead, each
+ * memory once per sequence, not once per query head; the row functions take a range of KV heads [kv0, kv1) (with
+ * their query heads), so that the fused decode step can split one sequence's heads over its threads. paged_decode_i8 reads an int8 pool instead, each
  * vector (one token, one KV head) with a float32 scale, k_scale and v_scale [blocks, block_size, kv_heads]:
  * a quarter of the bytes, dequantized in registers as they are read; where the compiler targets AVX-512,
  * 64-wide heads go a KV head at a time instead (each cache line is still read once), so that its query heads'
@@ -56,28 +57,31 @@ static void softmax_rows(float *scores, float *os, int64_t num_heads, int64_t le
     }
 }
 
-/* One sequence over a float32 pool: its query heads `qs` [heads, dim] against the first `len` cached tokens, into
- * `os` [heads, dim], with `scores` [heads, len] as scratch. */
+/* One sequence over a float32 pool: its query heads `qs` [heads, dim] of KV heads kv0 .. kv1 against the first
+ * `len` cached tokens, into those heads of `os` [heads, dim], with `scores` [heads, len] as scratch. */
 static inline __attribute__((always_inline)) void decode_seq_f32_dim(
         const float *qs, const float *k_cache, const float *v_cache, const int32_t *table, int64_t len, float *os,
         float *scores, int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim, int64_t block_size,
-        float scale) {
+        float scale, int64_t kv0, int64_t kv1) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim; /* floats per cache slot: every KV head of one token */
+    const int64_t first = kv0 * head_dim, width = (kv1 - kv0) * head_dim; /* the part of a row read here */
     /* Slot by slot, all heads at once: each slot's row is read whole and in order, which the hardware prefetcher
      * streams from memory; a pass per head would read it in strided pieces, which it follows poorly. */
     for (int64_t t = 0; t < len; t++) {
-        if (t + AHEAD_SLOTS < len) prefetch_bytes(k_cache + slot(table, t + AHEAD_SLOTS, block_size) * row, row * 4);
+        if (t + AHEAD_SLOTS < len)
+            prefetch_bytes(k_cache + slot(table, t + AHEAD_SLOTS, block_size) * row + first, width * 4);
         const float *k = k_cache + slot(table, t, block_size) * row;
-        for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) /* each key vector for every query head of its group */
+        for (int64_t kvh = kv0; kvh < kv1; kvh++) /* each key vector for every query head of its group */
             for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
                 scores[h * len + t] = scale * dot(qs + h * head_dim, k + kvh * head_dim, head_dim);
     }
-    softmax_rows(scores, os, num_heads, len, head_dim);
+    softmax_rows(scores + kv0 * group * len, os + kv0 * group * head_dim, (kv1 - kv0) * group, len, head_dim);
     for (int64_t t = 0; t < len; t++) {
-        if (t + AHEAD_SLOTS < len) prefetch_bytes(v_cache + slot(table, t + AHEAD_SLOTS, block_size) * row, row * 4);
+        if (t + AHEAD_SLOTS < len)
+            prefetch_bytes(v_cache + slot(table, t + AHEAD_SLOTS, block_size) * row + first, width * 4);
         const float *v = v_cache + slot(table, t, block_size) * row;
-        for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
+        for (int64_t kvh = kv0; kvh < kv1; kvh++)
             for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
                 const float p = scores[h * len + t], *vh = v + kvh * head_dim;
                 float *o = os + h * head_dim;
@@ -89,13 +93,13 @@ static inline __attribute__((always_inline)) void decode_seq_f32_dim(
 /* decode_seq_f32_dim, with fixed-length loops the compiler unrolls for the common head size. */
 static void decode_seq_f32(const float *qs, const float *k_cache, const float *v_cache, const int32_t *table,
                            int64_t len, float *os, float *scores, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size, float scale) {
+                           int64_t head_dim, int64_t block_size, float scale, int64_t kv0, int64_t kv1) {
     if (head_dim == 64)
         decode_seq_f32_dim(qs, k_cache, v_cache, table, len, os, scores, num_heads, num_kv_heads, 64, block_size,
-                           scale);
+                           scale, kv0, kv1);
     else
         decode_seq_f32_dim(qs, k_cache, v_cache, table, len, os, scores, num_heads, num_kv_heads, head_dim,
-                           block_size, scale);
+                           block_size, scale, kv0, kv1);
 }
 
 void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
@@ -107,7 +111,8 @@ void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache
         const int64_t len = context_lens[s];
         float *scores = malloc(sizeof(float) * num_heads * len); /* [heads, len] */
         decode_seq_f32(q + s * q_stride, k_cache, v_cache, block_tables + s * max_blocks, len,
-                       out + s * num_heads * head_dim, scores, num_heads, num_kv_heads, head_dim, block_size, scale);
+                       out + s * num_heads * head_dim, scores, num_heads, num_kv_heads, head_dim, block_size, scale,
+                       0, num_kv_heads);
         free(scores);
     }
 }
@@ -117,28 +122,31 @@ void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache
 static inline __attribute__((always_inline)) void decode_seq_i8_dim(
         const float *qs, const int8_t *k_cache, const int8_t *v_cache, const float *k_scale, const float *v_scale,
         const int32_t *table, int64_t len, float *os, float *scores, int64_t num_heads, int64_t num_kv_heads,
-        const int64_t head_dim, int64_t block_size, float scale) {
+        const int64_t head_dim, int64_t block_size, float scale, int64_t kv0, int64_t kv1) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim;
+    const int64_t first = kv0 * head_dim, width = (kv1 - kv0) * head_dim;
     for (int64_t t = 0; t < len; t++) {
-        if (t + AHEAD_SLOTS < len) prefetch_bytes(k_cache + slot(table, t + AHEAD_SLOTS, block_size) * row, row);
+        if (t + AHEAD_SLOTS < len)
+            prefetch_bytes(k_cache + slot(table, t + AHEAD_SLOTS, block_size) * row + first, width);
         const int64_t i = slot(table, t, block_size);
         const int8_t *k = k_cache + i * row;
         const float *ks = k_scale + i * num_kv_heads;
-        for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+        for (int64_t kvh = kv0; kvh < kv1; kvh++) {
             float kf[head_dim];
             for (int64_t d = 0; d < head_dim; d++) kf[d] = (float)k[kvh * head_dim + d];
             for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
                 scores[h * len + t] = scale * ks[kvh] * dot(qs + h * head_dim, kf, head_dim);
         }
     }
-    softmax_rows(scores, os, num_heads, len, head_dim);
+    softmax_rows(scores + kv0 * group * len, os + kv0 * group * head_dim, (kv1 - kv0) * group, len, head_dim);
     for (int64_t t = 0; t < len; t++) {
-        if (t + AHEAD_SLOTS < len) prefetch_bytes(v_cache + slot(table, t + AHEAD_SLOTS, block_size) * row, row);
+        if (t + AHEAD_SLOTS < len)
+            prefetch_bytes(v_cache + slot(table, t + AHEAD_SLOTS, block_size) * row + first, width);
         const int64_t i = slot(table, t, block_size);
         const int8_t *v = v_cache + i * row;
         const float *vs = v_scale + i * num_kv_heads;
-        for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+        for (int64_t kvh = kv0; kvh < kv1; kvh++) {
             float vf[head_dim];
             for (int64_t d = 0; d < head_dim; d++) vf[d] = vs[kvh] * (float)v[kvh * head_dim + d];
             for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
@@ -180,9 +188,10 @@ static inline __m128 lane_sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
  * order as decode_seq_i8_dim's; only the scores' dot products are summed in another order. */
 static void decode_seq_i8_64(const float *qs, const int8_t *k_cache, const int8_t *v_cache, const float *k_scale,
                              const float *v_scale, const int32_t *table, int64_t len, float *os, float *scores,
-                             int64_t num_heads, int64_t num_kv_heads, int64_t block_size, float scale) {
+                             int64_t num_heads, int64_t num_kv_heads, int64_t block_size, float scale, int64_t kv0,
+                             int64_t kv1) {
     const int64_t group = num_heads / num_kv_heads, row = num_kv_heads * 64;
-    for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
+    for (int64_t kvh = kv0; kvh < kv1; kvh++)
         for (int64_t h0 = kvh * group; h0 < (kvh + 1) * group; h0 += 4) {
             const int64_t n = (kvh + 1) * group - h0 < 4 ? (kvh + 1) * group - h0 : 4; /* query heads in this pass */
             __m512 q[4][4], acc[4][4], f[4];
@@ -239,22 +248,22 @@ static void decode_seq_i8_64(const float *qs, const int8_t *k_cache, const int8_
 static void decode_seq_i8(const float *qs, const int8_t *k_cache, const int8_t *v_cache, const float *k_scale,
                           const float *v_scale, const int32_t *table, int64_t len, float *os, float *scores,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                          float scale) {
+                          float scale, int64_t kv0, int64_t kv1) {
 #if defined(__AVX512F__)
     if (head_dim == 64) {
         decode_seq_i8_64(qs, k_cache, v_cache, k_scale, v_scale, table, len, os, scores, num_heads, num_kv_heads,
-                         block_size, scale);
+                         block_size, scale, kv0, kv1);
         return;
     }
 #else
     if (head_dim == 64) { /* fixed-length loops the compiler unrolls */
         decode_seq_i8_dim(qs, k_cache, v_cache, k_scale, v_scale, table, len, os, scores, num_heads, num_kv_heads,
-                          64, block_size, scale);
+                          64, block_size, scale, kv0, kv1);
         return;
     }
 #endif
     decode_seq_i8_dim(qs, k_cache, v_cache, k_scale, v_scale, table, len, os, scores, num_heads, num_kv_heads,
-                      head_dim, block_size, scale);
+                      head_dim, block_size, scale, kv0, kv1);
 }
 
 void paged_decode_i8(const float *q, const int8_t *k_cache, const int8_t *v_cache, const float *k_scale,
@@ -266,7 +275,8 @@ void paged_decode_i8(const float *q, const int8_t *k_cache, const int8_t *v_cach
         const int64_t len = context_lens[s];
         float *scores = malloc(sizeof(float) * num_heads * len);
         decode_seq_i8(q + s * q_stride, k_cache, v_cache, k_scale, v_scale, block_tables + s * max_blocks, len,
-                      out + s * num_heads * head_dim, scores, num_heads, num_kv_heads, head_dim, block_size, scale);
+                      out + s * num_heads * head_dim, scores, num_heads, num_kv_heads, head_dim, block_size, scale,
+                      0, num_kv_heads);
         free(scores);
     }
 }

@@ -88,3 +88,16 @@ def test_argmax_matches_pytorch_s_first_top_value_and_its_non_finite_rows(rows, 
     assert ours == theirs
     if rows >= 40 and vocab >= 64:
         assert ours[2:6] == [-1, -1, -1, -1] and ours[7] == 0 and ours[8] == 0 and ours[9] == -1
+
+
+def test_the_engine_s_greedy_steps_take_the_c_argmax(tiny_llama, monkeypatch):
+    """The engine samples outside the model's forward pass; it runs under inference mode too, so that greedy
+    decoding on a CPU takes the C loop at every step rather than PyTorch's max."""
+    from minillm import LLM, SamplingParams
+    from minillm.kernels import small_ops
+
+    llm = LLM(tiny_llama, device="cpu", dtype=torch.float32, num_kv_blocks=32, enable_prefix_caching=False)
+    calls, argmax = [], small_ops.argmax
+    monkeypatch.setattr(small_ops, "argmax", lambda logits: calls.append(logits.shape) or argmax(logits))
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4 and len(calls) == 4

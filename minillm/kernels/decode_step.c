@@ -11,9 +11,8 @@
  *   x        [m, hidden] float32, the embeddings on entry and the last layer's output on return (in place)
  * One OpenMP team runs the whole step: its threads split each product's tiles of output rows (every weight byte is
  * read once), the rows of x and the sequences of attention (with fewer sequences than threads, their KV heads),
- * with a barrier between phases. Built by
- * minillm/kernels/decode_step.py from this file and the two kernels it includes, compiled together so that the
- * kernels' inner functions inline here as they do in their own libraries. */
+ * with a barrier between phases. Built by minillm/kernels/decode_step.py from this file and the two kernels it
+ * includes, compiled together so that the kernels' inner functions inline here as they do in their own libraries. */
 #include "int4_matmul.c"
 #include "paged_decode.c" /* and small_ops.c, which it includes */
 

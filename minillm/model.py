@@ -33,7 +33,7 @@ from .parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, 
 
 if TYPE_CHECKING:
     from .kernels.decode_layers import DecodeLayers
-    from .kernels.decode_step import FusedDecodeStep
+    from .kernels.decode_step import FusedDecodeStep, StepEnds
 
 
 class Attention(nn.Module):
@@ -128,7 +128,7 @@ class CausalLM(nn.Module):
         self.packed_min_rows = 1  # products of fewer rows run through F.linear (see pack_weights)
         # decode-only steps as one call where the layers allow it (`fused_decode`); MINILLM_FUSED_STEP=0: never
         self.use_fused_step = os.environ.get("MINILLM_FUSED_STEP", "1") != "0"
-        self._fused: tuple | None = None  # (cache, first layer's qkv module, step or None) of the last build
+        self._fused: tuple | None = None  # (cache, (first qkv, embedding, head), step or None) of the last build
 
     def pack_weights(self) -> None:
         """Give every linear layer, and a tied head, a oneDNN-packed copy of its weight (CPU, after loading), used
@@ -147,25 +147,32 @@ class CausalLM(nn.Module):
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """This rank's decoder layers over hidden states `x` `[tokens, hidden]` (its cache's layers in order): a
         decode-only step in one call where `fused_decode` has one, else layer by layer."""
-        if meta.prefill is None and meta.use_cpu_kernel and self.use_fused_step:
-            step = self.fused_decode(kv_cache)
-            if step is not None:
-                return step(x.contiguous(), positions, meta.slot_mapping, meta.block_tables, meta.context_lens)
+        step = self._decode_step(kv_cache, meta)
+        if step is not None:
+            return step(x.contiguous(), positions, meta.slot_mapping, meta.block_tables, meta.context_lens)
         rope = self.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer.forward(rope, x, kv_cache.layer(i), meta)
         return x
 
+    def _decode_step(self, kv_cache, meta: AttentionMetadata) -> FusedDecodeStep | DecodeLayers | None:
+        """The step `fused_decode` has for this decode-only step on a CPU, or None (another step, or none)."""
+        if meta.prefill is None and meta.use_cpu_kernel and self.use_fused_step:
+            return self.fused_decode(kv_cache)
+        return None
+
     def fused_decode(self, kv_cache) -> FusedDecodeStep | DecodeLayers | None:
         """This model's decode step as one call over `kv_cache`, or None where none applies. A quantized model whose
         four products per layer are in the C kernel's int4/int8 layouts (quantized on a CPU with that kernel) gets
-        the fused C step (`kernels/decode_step.py`); a float32 one on a CPU gets its layers' own operations in one
+        the fused C step (`kernels/decode_step.py`), from token ids to logits where its embedding and head are int8
+        (`quant.quantize_model`'s); a float32 one on a CPU gets its layers' own operations in one
         C++ loop (`kernels/decode_layers.py`). Both need no bias but on q/k/v, a dense MLP, the whole model in this
         process, a float32 or int8 cache, and their code built. Built at the first call for a cache, and again
-        when the layers were replaced since."""
-        qkv = self.layers[0].self_attn.qkv_proj
-        if self._fused is None or self._fused[0] is not kv_cache or self._fused[1] is not qkv:
-            self._fused = (kv_cache, qkv, _fused_decode_step(self, kv_cache))
+        when the layers, the embedding or the head were replaced since."""
+        modules = (self.layers[0].self_attn.qkv_proj, self.embed_tokens, self.lm_head)
+        if self._fused is None or self._fused[0] is not kv_cache or any(
+                a is not b for a, b in zip(self._fused[1], modules)):
+            self._fused = (kv_cache, modules, _fused_decode_step(self, kv_cache))
         return self._fused[2]
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache,
@@ -202,6 +209,9 @@ class CausalLM(nn.Module):
 
         By default the logits are taken at each sequence's last new token, `[seqs, vocab]`.
         """
+        step = self._decode_step(kv_cache, meta) if logits_indices is None else None
+        if getattr(step, "ends", None) is not None:  # the whole step in one call
+            return step.logits(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.context_lens)
         x = self.run_layers(self.embed_tokens(input_ids), positions, kv_cache, meta)
         return self.final_logits(x, meta, logits_indices)
 
@@ -231,7 +241,22 @@ def _fused_decode_step(model: CausalLM, kv_cache) -> FusedDecodeStep | DecodeLay
               for four, layer in zip(products, model.layers)]
     attn = model.layers[0].self_attn
     return FusedDecodeStep(layers, caches, model.rotary.cos, model.rotary.sin_signed, model.config.rms_norm_eps,
-                           attn.num_heads, attn.num_kv_heads)
+                           attn.num_heads, attn.num_kv_heads, _step_ends(model))
+
+
+def _step_ends(model: CausalLM) -> StepEnds | None:
+    """The model's embedding, final norm and head as the fused step takes them, or None where they are another
+    kind (a float embedding, a head without the C kernel's layout or with a bias): the step then runs the layers
+    only."""
+    from .kernels.decode_step import StepEnds
+    from .quant import QuantEmbedding
+
+    embed, head = model.embed_tokens, model.lm_head
+    if not (isinstance(embed, QuantEmbedding) and embed.format.name == "int8" and embed.scale.dim() == 1
+            and embed.scale.dtype == torch.float32 and getattr(head, "kernel", None) is not None
+            and head.bias is None and head.out_features == model.config.vocab_size):
+        return None
+    return StepEnds(embed.q, embed.scale, model.norm.weight.detach(), head.kernel)
 
 
 def load_model(path, config: ModelConfig, dtype: torch.dtype, device: torch.device,

@@ -58,22 +58,23 @@ def reference(tiny_llama):
 
 
 def decode_outputs(llm, prompts, tokens, fused):
-    """The greedy tokens of `prompts` decoded together, and each decode step's last-layer output `[seqs, hidden]`."""
+    """The greedy tokens of `prompts` decoded together, and each decode step's logits `[seqs, vocab]` (the model's
+    output: a fused step may take the tokens in and give the logits out in one call)."""
     from minillm import SamplingParams
 
     model, outputs = llm.engine.model, []
-    run_layers = model.run_layers
+    forward = model.forward
 
-    def capture(x, positions, kv_cache, meta):
-        y = run_layers(x, positions, kv_cache, meta)
+    def capture(input_ids, positions, kv_cache, meta, logits_indices=None):
+        y = forward(input_ids, positions, kv_cache, meta, logits_indices)
         if meta.prefill is None:
             outputs.append(y.clone())
         return y
 
-    model.use_fused_step, model.run_layers = fused, capture
+    model.use_fused_step, model.forward = fused, capture
     try:
         outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True), use_tqdm=False)
     finally:
         model.use_fused_step = True
-        del model.run_layers
+        del model.forward
     return [o.outputs[0].token_ids for o in outs], outputs

@@ -1,5 +1,5 @@
 """A float32 model's decode step in one C++ loop (`minillm/kernels/decode_layers.cpp`) against the model's modules,
-layer by layer: the same hidden states to the last bit and the same cache, in every supported family, over a float32
+layer by layer: the same logits to the last bit and the same cache, in every supported family, over a float32
 and an int8 cache, on oneDNN's packed weights and on the plain ones; where it does not apply, layer by layer."""
 
 import pytest

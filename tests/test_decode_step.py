@@ -1,5 +1,5 @@
 """The fused decode step (`minillm/kernels/decode_step.c`) against the model's modules, layer by layer: the same
-hidden states to the last bit, so the same greedy tokens, on a tiny model and on the default one, with the cache
+logits to the last bit, so the same greedy tokens, on a tiny model and on the default one, with the cache
 left as the modules leave it; where it does not apply, the engine steps layer by layer."""
 
 from dataclasses import replace
@@ -23,7 +23,7 @@ PROMPTS = [list(range(5, 30)), list(range(40, 47)), [3, 1, 4, 1, 5, 9, 2, 6, 5, 
 @pytest.mark.parametrize("method,group_size,kv", [("int4", 32, "auto"), ("int4", 64, "auto"), ("int8", None, "auto"),
                                                   ("int8", 32, "auto"), ("int4", 32, "int8"), ("int8", None, "int8")])
 def test_fused_step_equals_the_modules_on_a_tiny_model(tiny_llama, method, group_size, kv):
-    """Step by step, the same tokens and bit for bit the same hidden states: both ways run the same compiled code
+    """Step by step, the same tokens and bit for bit the same logits: both ways run the same compiled code
     for every operation (`small_ops.c` and the two kernels), only the calls between them differ; over an int8
     cache too, whose vectors the fused step rounds as PyTorch's `quantize_kv` does."""
     llm = LLM(tiny_llama, device="cpu", dtype=torch.float32, num_kv_blocks=64, block_size=4,
@@ -48,7 +48,7 @@ def tiny_qwen2(tmp_path_factory):
 @pytest.mark.parametrize("method,kv", [("int4", "auto"), ("int8", "int8")])
 def test_fused_step_adds_the_qkv_bias_as_the_modules_do(tiny_qwen2, method, kv):
     """Qwen2's q/k/v product has a bias: the fused step adds it after the product, as the module does, so the
-    hidden states stay bit for bit the same."""
+    logits stay bit for bit the same."""
     llm = LLM(tiny_qwen2, device="cpu", dtype=torch.float32, num_kv_blocks=64, block_size=4,
               enable_prefix_caching=False, quantization=method, quantization_group_size=32, kv_cache_dtype=kv)
     model, gen = llm.engine.model, torch.Generator().manual_seed(0)
@@ -144,7 +144,7 @@ def test_fused_step_checks_what_it_is_built_from(tiny_llama):
               quantization="int4", quantization_group_size=32)
     model, cache = llm.engine.model, llm.engine.kv_cache
     step = model.fused_decode(cache)
-    layers, caches, cos, sin = step._keep
+    layers, caches, cos, sin, ends = step._keep
     heads = model.layers[0].self_attn.num_heads, model.layers[0].self_attn.num_kv_heads
     with pytest.raises(ValueError, match="one cache per layer"):
         FusedDecodeStep(layers, caches[:1], cos, sin, 1e-5, *heads)
@@ -157,3 +157,36 @@ def test_fused_step_checks_what_it_is_built_from(tiny_llama):
                                  for k, v in caches], cos, sin, 1e-5, *heads)
     with pytest.raises(ValueError, match="expected"):
         FusedDecodeStep([replace(layers[0], qkv=layers[0].gate_up)] + layers[1:], caches, cos, sin, 1e-5, *heads)
+    with pytest.raises(ValueError, match="ends.embed_scale must be contiguous torch.float32"):
+        FusedDecodeStep(layers, caches, cos, sin, 1e-5, *heads, replace(ends, embed_scale=ends.embed_scale.double()))
+    with pytest.raises(ValueError, match="the head takes"):
+        FusedDecodeStep(layers, caches, cos, sin, 1e-5, *heads, replace(ends, head=layers[0].down))
+    with pytest.raises(RuntimeError, match="without the model's ends"):
+        FusedDecodeStep(layers, caches, cos, sin, 1e-5, *heads).logits(*[torch.zeros(1, dtype=torch.int64)] * 5)
+
+
+@pytest.mark.parametrize("keep", [(), ("embed_tokens",)])
+def test_the_step_s_ends_run_in_c_where_embedding_and_head_are_int8(tiny_llama, keep):
+    """With the int8 embedding and head that int4 gives them, a decode step goes from token ids to logits in one
+    call; a float32 embedding leaves both ends to the modules around a step of the layers only. Every decode step's
+    logits are bit for bit the modules' either way, so are the tokens."""
+    from minillm.quant import quantize_model
+
+    llm = LLM(tiny_llama, device="cpu", dtype=torch.float32, num_kv_blocks=64, block_size=4,
+              enable_prefix_caching=False)
+    quantize_model(llm.engine.model, "int4", 32, keep=keep)
+    step = llm.engine.model.fused_decode(llm.engine.kv_cache)
+    assert isinstance(step, FusedDecodeStep) and (step.ends is not None) == (keep == ())
+    model, layer_calls = llm.engine.model, []
+
+    def run_layers(x, positions, kv_cache, meta):
+        layer_calls.append(meta.prefill is None)
+        return type(model).run_layers(model, x, positions, kv_cache, meta)
+
+    model.run_layers = run_layers
+    ids, fused = decode_outputs(llm, PROMPTS, 6, True)
+    del model.run_layers
+    ref_ids, modules = decode_outputs(llm, PROMPTS, 6, False)
+    assert ids == ref_ids and len(fused) == len(modules) == 5
+    assert all(torch.equal(a, b) for a, b in zip(fused, modules))
+    assert layer_calls.count(True) == (0 if keep == () else 5)  # decode steps that went through run_layers

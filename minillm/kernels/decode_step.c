@@ -9,6 +9,8 @@
  *   cache    a paged pool per layer, [blocks, block_size, kv_heads, head_dim] for keys and for values: float32, or
  *            int8 with a float32 scale per vector (one token, one KV head), [blocks, block_size, kv_heads] each
  *   x        [m, hidden] float32, the embeddings on entry and the last layer's output on return (in place)
+ *   ends     where the model gives them, the step starts from token ids and ends in logits: the embedding lookup
+ *            (int8 rows, a scale per row), the final RMSNorm and the head's product run in the call too
  * One OpenMP team runs the whole step: its threads split each product's tiles of output rows (every weight byte is
  * read once), the rows of x and the sequences of attention (with fewer sequences than threads, their KV heads),
  * with a barrier between phases. Built by minillm/kernels/decode_step.py from this file and the two kernels it
@@ -32,12 +34,29 @@ typedef struct {
     float eps, scale; /* RMSNorm's epsilon; attention's 1 / sqrt(head_dim) */
     const Layer *layers;
     const float *cos, *sin_signed; /* [positions, head_dim]: RoPE's tables, the sine's first half negated */
+    /* The step's two ends (NULL where the caller runs them): the token embedding, int8 codes [vocab, hidden] with a
+     * float32 scale per row; the final RMSNorm's gain and the head's product (vocabulary scores). */
+    const int8_t *embed_q;
+    const float *embed_scale;
+    const float *final_norm;
+    Weight head;
 } Model;
 
+/* Row `token` of the int8 embedding, as float32: each code times its row's scale, one rounding, as PyTorch's
+ * q.float() * scale computes it. */
+static void embed_row(const Model *md, int64_t token, float *out) {
+    const float scale = md->embed_scale[token];
+    const int8_t *q = md->embed_q + token * md->hidden;
+    for (int64_t j = 0; j < md->hidden; j++) out[j] = (float)q[j] * scale;
+}
+
 /* x [m, hidden] through every layer. positions and slots [m] are each new token's position and cache slot;
- * block_tables [m, max_blocks] and context_lens [m] (int32) each sequence's blocks and length after this token. */
-void decode_step_f32(const Model *md, float *x, int64_t m, const int64_t *positions, const int64_t *slots,
-                     const int32_t *block_tables, const int32_t *context_lens, int64_t max_blocks) {
+ * block_tables [m, max_blocks] and context_lens [m] (int32) each sequence's blocks and length after this token.
+ * With `tokens` [m] (the model's ends set), x is first filled with their embeddings; with `logits` [m, vocab],
+ * the last layer's output goes on through the final norm and the head into it. */
+void decode_step_f32(const Model *md, float *x, int64_t m, const int64_t *tokens, const int64_t *positions,
+                     const int64_t *slots, const int32_t *block_tables, const int32_t *context_lens,
+                     int64_t max_blocks, float *logits) {
     const Layer *first = md->layers;
     const int64_t hidden = md->hidden, heads = md->heads, kv_heads = md->kv_heads, d = md->head_dim;
     const int64_t q_width = heads * d, qkv_width = first->qkv.n;
@@ -47,6 +66,7 @@ void decode_step_f32(const Model *md, float *x, int64_t m, const int64_t *positi
     if (q_width > widest) widest = q_width;
     Acts to_qkv = acts_new(m, hidden, first->qkv.g), to_o = acts_new(m, q_width, first->o.g);
     Acts to_gu = acts_new(m, hidden, first->gate_up.g), to_down = acts_new(m, inter, first->down.g);
+    Acts to_head = acts_new(logits ? m : 0, hidden, logits ? md->head.g : first->qkv.g);
     float *row = malloc(sizeof(float) * m * widest), *qkv = malloc(sizeof(float) * m * qkv_width);
     float *att = malloc(sizeof(float) * m * q_width), *gu = malloc(sizeof(float) * m * gu_width);
 #pragma omp parallel
@@ -54,6 +74,8 @@ void decode_step_f32(const Model *md, float *x, int64_t m, const int64_t *positi
         const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
         /* Fewer sequences than threads (batch 1): each sequence's attention split by KV heads over the team. */
         const int64_t share = (threads + m - 1) / m, parts = m >= threads ? 1 : share < kv_heads ? share : kv_heads;
+        /* (each thread fills the rows its first norm reads: no barrier) */
+        for (int64_t i = id; tokens && i < m; i += threads) embed_row(md, tokens[i], x + i * hidden);
         for (int64_t l = 0; l < md->num_layers; l++) {
             const Layer *L = md->layers + l;
             for (int64_t i = id; i < m; i += threads) { /* input RMSNorm, rounded to int8 for the qkv product */
@@ -108,7 +130,15 @@ void decode_step_f32(const Model *md, float *x, int64_t m, const int64_t *positi
             products(&L->down, &to_down, x, x, m, id, threads);
 #pragma omp barrier
         }
+        if (logits) { /* the final norm, rounded to int8 for the head, then the head */
+            for (int64_t i = id; i < m; i += threads) {
+                rms_norm_row(x + i * hidden, md->final_norm, md->eps, hidden, row + i * widest);
+                quantize_row(&to_head, row + i * widest, i, md->head.g);
+            }
+#pragma omp barrier
+            products(&md->head, &to_head, NULL, logits, m, id, threads);
+        }
     }
     free(row), free(qkv), free(att), free(gu);
-    acts_free(&to_qkv), acts_free(&to_o), acts_free(&to_gu), acts_free(&to_down);
+    acts_free(&to_qkv), acts_free(&to_o), acts_free(&to_gu), acts_free(&to_down), acts_free(&to_head);
 }

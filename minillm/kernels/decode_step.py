@@ -40,7 +40,9 @@ class _Model(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int64), ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64),
                 ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("block_size", ctypes.c_int64),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)),
-                ("cos", ctypes.c_void_p), ("sin_signed", ctypes.c_void_p)]
+                ("cos", ctypes.c_void_p), ("sin_signed", ctypes.c_void_p),
+                ("embed_q", ctypes.c_void_p), ("embed_scale", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
+                ("head", _Weight)]
 
 
 @functools.cache
@@ -51,8 +53,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     adopt(lib)  # the products' AMX switch, set as the kernel's
     lib.decode_step_f32.restype = None
-    lib.decode_step_f32.argtypes = [ctypes.POINTER(_Model), ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 \
-        + [ctypes.c_int64]
+    lib.decode_step_f32.argtypes = [ctypes.POINTER(_Model), ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5 \
+        + [ctypes.c_int64, ctypes.c_void_p]
     return lib
 
 
@@ -75,6 +77,17 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class StepEnds:
+    """What a step needs to go from token ids to logits in the same call: the token embedding as `QuantEmbedding`
+    keeps it in int8 (codes `[vocab, hidden]`, a float32 scale per row), the final RMSNorm's gain (float32
+    `[hidden]`) and the head's product in the C kernel's layout (no bias)."""
+    embed_q: torch.Tensor
+    embed_scale: torch.Tensor
+    final_norm: torch.Tensor
+    head: Int4Weight | Int8Weight
+
+
 def _weight(w: Int4Weight | Int8Weight) -> _Weight:
     """The product kernel's leading arguments for `w` (bits, pointers, sizes, group), as the step's struct."""
     return _Weight(*_weight_args(w))
@@ -84,10 +97,12 @@ class FusedDecodeStep:
     """The decode step of a model whose layers are `layers`, over the pools `caches`, one per layer: `(k, v)`,
     float32 `[blocks, block_size, kv_heads, head_dim]` each, or `(k, v, k_scale, v_scale)`, int8 pools with float32
     scales `[blocks, block_size, kv_heads]` (`kv_cache.KVCache.layer`'s); with RoPE tables `cos` and `sin_signed`
-    `[positions, head_dim]` (`layers.RotaryEmbedding`'s). Call it on the embeddings of one new token per sequence."""
+    `[positions, head_dim]` (`layers.RotaryEmbedding`'s). Call it on the embeddings of one new token per sequence;
+    given the model's `ends`, `logits` takes the tokens themselves and returns their scores."""
 
     def __init__(self, layers: list[LayerWeights], caches: list[tuple[torch.Tensor, ...]], cos: torch.Tensor,
-                 sin_signed: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int):
+                 sin_signed: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int,
+                 ends: StepEnds | None = None):
         if _library() is None:
             raise RuntimeError("the fused decode step could not be built here (is a C compiler installed?)")
         if not layers or len(caches) != len(layers):
@@ -126,14 +141,29 @@ class FusedDecodeStep:
         for name, t in (("cos", cos), ("sin_signed", sin_signed)):
             if t.dtype != torch.float32 or not t.is_contiguous() or t.dim() != 2 or t.shape[1] != head_dim:
                 raise ValueError(f"{name} must be a contiguous float32 table [positions, {head_dim}]")
-        self._keep = (layers, caches, cos, sin_signed)  # the tensors behind the pointers below
+        if ends is not None:
+            vocab = ends.embed_q.shape[0]
+            wanted = {"embed_q": (ends.embed_q, torch.int8, (vocab, hidden)),
+                      "embed_scale": (ends.embed_scale, torch.float32, (vocab,)),
+                      "final_norm": (ends.final_norm, torch.float32, (hidden,))}
+            for name, (t, dtype, shape) in wanted.items():
+                if t.dtype != dtype or not t.is_contiguous() or t.shape != shape:
+                    raise ValueError(f"ends.{name} must be contiguous {dtype} shaped {shape}, "
+                                     f"got {tuple(t.shape)} {t.dtype}")
+            if ends.head.in_features != hidden:
+                raise ValueError(f"the head takes {ends.head.in_features} inputs; the layers give {hidden}")
+        self.ends = ends
+        self._keep = (layers, caches, cos, sin_signed, ends)  # the tensors behind the pointers below
         self._layers = (_Layer * len(layers))(*[
             _Layer(_weight(w.qkv), _weight(w.o), _weight(w.gate_up), _weight(w.down),
                    None if w.qkv_bias is None else w.qkv_bias.data_ptr(), w.input_norm.data_ptr(),
                    w.post_norm.data_ptr(), *(t.data_ptr() for t in cache), *(None,) * (4 - len(cache)))
             for w, cache in zip(layers, caches)])
         self._model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, block_size, eps,
-                             head_dim ** -0.5, self._layers, cos.data_ptr(), sin_signed.data_ptr())
+                             head_dim ** -0.5, self._layers, cos.data_ptr(), sin_signed.data_ptr(),
+                             *((None,) * 3 + (_Weight(),) if ends is None else (
+                                 ends.embed_q.data_ptr(), ends.embed_scale.data_ptr(), ends.final_norm.data_ptr(),
+                                 _weight(ends.head))))
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor) -> torch.Tensor:
@@ -141,7 +171,22 @@ class FusedDecodeStep:
         token sits at `positions[i]` and goes into cache slot `slots[i]` (int64 `[seqs]`); `block_tables` `[seqs,
         max_blocks]` and `context_lens` `[seqs]` (int32, contiguous) give its blocks and its length with the new
         token. Unchecked, as the engine's other kernels are at every step: the caller guarantees the shapes."""
-        _library().decode_step_f32(ctypes.byref(self._model), x.data_ptr(), x.shape[0], positions.data_ptr(),
+        _library().decode_step_f32(ctypes.byref(self._model), x.data_ptr(), x.shape[0], None, positions.data_ptr(),
                                    slots.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
-                                   block_tables.shape[1])
+                                   block_tables.shape[1], None)
         return x
+
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+               context_lens: torch.Tensor) -> torch.Tensor:
+        """The whole step of a model with `ends`: the new tokens (int64 `[seqs]`, each below the vocabulary size)
+        embedded, through every layer, the final norm and the head: their scores, float32 `[seqs, head rows]`. The
+        other arguments as `__call__`'s, unchecked alike."""
+        if self.ends is None:
+            raise RuntimeError("this step was built without the model's ends (embedding, final norm, head)")
+        m = tokens.shape[0]
+        x = torch.empty(m, self._model.hidden)
+        out = torch.empty(m, self.ends.head.out_features)
+        _library().decode_step_f32(ctypes.byref(self._model), x.data_ptr(), m, tokens.data_ptr(),
+                                   positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
+                                   context_lens.data_ptr(), block_tables.shape[1], out.data_ptr())
+        return out

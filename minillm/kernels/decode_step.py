@@ -1,5 +1,7 @@
 """Chapter 6 — a quantized model's decode step in one C call (`decode_step.c`): every layer's norm, products, RoPE,
-cache store, attention and SwiGLU for a batch of sequences that each decode one token.
+cache store, attention and SwiGLU for a batch of sequences that each decode one token, and where the model's
+embedding and head are int8, the embedding lookup before them and the final norm and head after: token ids in,
+logits out.
 
 At batch 1 on a CPU the int4 products take about half of a decode step; the rest is a few hundred small PyTorch
 operations and the Python between them, each paying its dispatch and its trip through cold caches. Fusing them

@@ -354,6 +354,8 @@ def quantize_model(model: nn.Module, method: str, group_size: int | None = None,
     unknown = [name for name in keep if name not in names and name != "lm_head"]
     if unknown:
         raise ValueError(f"keep names modules the model does not have: {unknown}")
+    if model.lm_head is None and "lm_head" in keep and "embed_tokens" not in keep:
+        raise ValueError("the head is tied to the embedding (one matrix): to keep the head, keep 'embed_tokens' too")
     outer = embedding_method(method)
     outer_group = group_size if outer == method else None
     replaced = quantize_linears(model, method, group_size, keep + ("lm_head",))

@@ -144,6 +144,10 @@ def test_keep_list_and_bad_names(tiny_llama):
         LLM(tiny_llama, device="cpu", quantization="int3")
     with pytest.raises(ValueError, match="layers.9.mlp"):
         quant.quantize_model(llm.engine.model, "int8", keep=("layers.9.mlp",))
+    fresh = LLM(tiny_llama, device="cpu", dtype=torch.float32, num_kv_blocks=32, block_size=4).engine.model
+    with pytest.raises(ValueError, match="tied to the embedding"):  # the tiny model's head reads the embedding
+        quant.quantize_model(fresh, "int8", keep=("lm_head",))
+    assert fresh.lm_head is None and isinstance(fresh.layers[0].mlp.down_proj, Linear)  # nothing changed
 
 
 @requires_default_model

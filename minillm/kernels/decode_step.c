@@ -66,7 +66,8 @@ void decode_step_f32(const Model *md, float *x, int64_t m, const int64_t *tokens
     if (q_width > widest) widest = q_width;
     Acts to_qkv = acts_new(m, hidden, first->qkv.g), to_o = acts_new(m, q_width, first->o.g);
     Acts to_gu = acts_new(m, hidden, first->gate_up.g), to_down = acts_new(m, inter, first->down.g);
-    Acts to_head = acts_new(logits ? m : 0, hidden, logits ? md->head.g : first->qkv.g);
+    Acts to_head = {0}; /* (acts_free of an empty one frees NULL) */
+    if (logits) to_head = acts_new(m, hidden, md->head.g);
     float *row = malloc(sizeof(float) * m * widest), *qkv = malloc(sizeof(float) * m * qkv_width);
     float *att = malloc(sizeof(float) * m * q_width), *gu = malloc(sizeof(float) * m * gu_width);
 #pragma omp parallel

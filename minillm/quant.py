@@ -345,7 +345,8 @@ def quantize_model(model: nn.Module, method: str, group_size: int | None = None,
     format (a tied head becomes a `QuantLinear` of the embedding matrix, quantized once for
     each use), except the modules named in `keep` (qualified names, e.g. "layers.0.mlp.down_proj",
     "embed_tokens", "lm_head"; a tied head only with its embedding), which stay in the model's dtype (mixed
-    precision). The float weights replaced are freed. Returns the names quantized (a layer the loader quantized already is not among them)."""
+    precision). The float weights replaced are freed. Returns the names quantized (a layer the loader quantized
+    already is not among them)."""
     from .layers import Linear
 
     if method not in QUANTIZATIONS:

@@ -8,11 +8,10 @@
  * Every query head of a sequence is handled in the same pass, so each key and value row is read from
  * memory once per sequence, not once per query head; the row functions take a range of KV heads [kv0, kv1) (with
  * their query heads), so that the fused decode step can split one sequence's heads over its threads.
- * paged_decode_i8 reads an int8 pool instead, each
- * vector (one token, one KV head) with a float32 scale, k_scale and v_scale [blocks, block_size, kv_heads]:
- * a quarter of the bytes, dequantized in registers as they are read; where the compiler targets AVX-512,
- * 64-wide heads go a KV head at a time instead (each cache line is still read once), so that its query heads'
- * queries and outputs stay in registers.
+ * paged_decode_i8 reads an int8 pool instead, each vector (one token, one KV head) with a float32 scale, k_scale
+ * and v_scale [blocks, block_size, kv_heads]: a quarter of the bytes, dequantized in registers as they are read;
+ * where the compiler targets AVX-512, 64-wide heads go a KV head at a time instead (each cache line is still read
+ * once), so that its query heads' queries and outputs stay in registers.
  * rope_store_decode does a decode-only step's whole attention for one layer, RoPE and the cache store included,
  * in one call from the engine's layers; the fused decode step (decode_step.c) shares its row function. */
 #include <float.h>
